@@ -1,0 +1,204 @@
+"""The systems compared: FLAME and its peers, each behind the same small interface.
+
+A system takes the shared input arrays (``adopt``), turns an expression into a function of the
+inputs (``compile``), and says which part of a call is host preparation and which part is the
+timed launch (``split``). A peer that cannot run here carries ``skip_reason`` instead.
+"""
+
+import contextlib
+
+from bench import expressions
+from bench.clocks import CupyClock, HostClock, TorchClock
+
+# What the benchmark calls on FLAME; an import without these is a core that has not landed yet.
+FLAME_API = ("tensor", "from_dlpack", "gelu", "sigmoid", "tanh", "exp", "synchronize", "backend")
+
+
+class System:
+    key = ""
+    label = ""
+
+    def __init__(self):
+        self.skip_reason = None
+        self.clock = None
+        self.notes = []
+
+    @property
+    def available(self) -> bool:
+        return self.skip_reason is None
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self):
+        self.clock.synchronize()
+
+    def adopt(self, arrays) -> list:
+        return list(arrays)
+
+    def compile(self, expression):
+        raise NotImplementedError
+
+    def split(self, expression, call, inputs):
+        """(setup, timed): ``timed(setup())`` is one call; only ``timed`` is inside the events."""
+        return (lambda: None), (lambda _token: call(*inputs))
+
+
+class FlameSystem(System):
+    key = "flame"
+    label = "flame"
+
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+        self.module = None
+        try:
+            import flame
+        except Exception as error:
+            self.skip_reason = f"import flame failed: {type(error).__name__}: {error}"
+            return
+        missing = [name for name in FLAME_API if not hasattr(flame, name)]
+        if missing:
+            self.skip_reason = f"flame has no {', '.join(missing)} (core not landed yet?)"
+            return
+        self.module = flame
+        if backend == "reference":
+            self.clock = HostClock(synchronize=flame.synchronize)
+            return
+        try:
+            self.clock = CupyClock(synchronize=flame.synchronize)
+        except Exception as error:
+            self.skip_reason = f"import cupy failed: {type(error).__name__}: {error}"
+
+    def scope(self):
+        # The default backend is FLAME's own choice (the GPU); only the reference is asked for.
+        if self.backend == "reference":
+            return self.module.backend("reference")
+        return contextlib.nullcontext()
+
+    def adopt(self, arrays) -> list:
+        tensors = [self._tensor_from(array) for array in arrays]
+        return [tensor.realize() for tensor in tensors]
+
+    def _tensor_from(self, array):
+        if type(array).__module__.startswith("numpy"):
+            return self.module.tensor(array)
+        try:
+            return self.module.from_dlpack(array)
+        except Exception as error:
+            import cupy
+
+            note = f"from_dlpack failed ({type(error).__name__}: {error}); inputs were copied"
+            if note not in self.notes:
+                self.notes.append(note)
+            return self.module.tensor(cupy.asnumpy(array))
+
+    def compile(self, expression):
+        ops = expressions.flame_ops(self.module)
+
+        def call(*inputs):
+            return expression(ops, *inputs).realize()
+
+        return call
+
+    def split(self, expression, call, inputs):
+        # Device time: build the lazy graph outside the events, time only realize().
+        ops = expressions.flame_ops(self.module)
+        return (lambda: expression(ops, *inputs)), (lambda lazy: lazy.realize())
+
+
+class TorchEagerSystem(System):
+    key = "torch_eager"
+    label = "torch eager"
+
+    def __init__(self, peer_skip_reason: str | None):
+        super().__init__()
+        self.skip_reason = peer_skip_reason or self._probe()
+        if self.skip_reason is None:
+            import torch
+
+            self.torch = torch
+            self.clock = TorchClock()
+
+    @staticmethod
+    def _probe() -> str | None:
+        try:
+            import torch
+        except Exception as error:
+            return f"import torch failed: {type(error).__name__}: {error}"
+        if not torch.cuda.is_available():
+            return "no GPU (torch.cuda.is_available() is False)"
+        return None
+
+    def adopt(self, arrays) -> list:
+        adopted = []
+        for array in arrays:
+            if type(array).__module__.startswith("numpy"):
+                adopted.append(self.torch.from_numpy(array).to("cuda"))
+            else:
+                adopted.append(self.torch.from_dlpack(array))  # zero-copy view of the CuPy array
+        return adopted
+
+    def compile(self, expression):
+        return expressions.bind(expression, expressions.torch_ops(self.torch))
+
+
+class TorchCompileSystem(TorchEagerSystem):
+    key = "torch_compile"
+    label = "torch.compile"
+
+    def __init__(self, peer_skip_reason: str | None):
+        super().__init__(peer_skip_reason)
+        if self.available and not hasattr(self.torch, "compile"):
+            self.skip_reason = f"torch {self.torch.__version__} has no torch.compile"
+
+    def compile(self, expression):
+        return self.torch.compile(super().compile(expression))
+
+
+class CupyFuseSystem(System):
+    key = "cupy_fuse"
+    label = "cupy.fuse"
+
+    def __init__(self, peer_skip_reason: str | None):
+        super().__init__()
+        self.skip_reason = peer_skip_reason or self._probe()
+        if self.skip_reason is None:
+            import cupy
+
+            self.cupy = cupy
+            self.clock = CupyClock()
+
+    @staticmethod
+    def _probe() -> str | None:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() == 0:
+                return "no GPU (CuPy sees 0 devices)"
+        except Exception as error:
+            return f"no GPU or no CuPy ({type(error).__name__}: {error})"
+        return None
+
+    def adopt(self, arrays) -> list:
+        return [self.cupy.asarray(array) for array in arrays]
+
+    def compile(self, expression):
+        return self.cupy.fuse(expressions.bind(expression, expressions.array_ops(self.cupy)))
+
+
+def peer_skip_reason(backend: str, gpu: dict | None, gpu_reason: str | None) -> str | None:
+    if gpu is None:
+        return gpu_reason or "no GPU"
+    if backend == "reference":
+        return "--backend reference: FLAME runs on the CPU, GPU peers would not be comparable"
+    return None
+
+
+def discover_systems(backend: str, gpu: dict | None, gpu_reason: str | None) -> list[System]:
+    """FLAME first, then the peers in the order of the report's columns."""
+    reason = peer_skip_reason(backend, gpu, gpu_reason)
+    flame = FlameSystem(backend)
+    if flame.available and backend != "reference" and gpu is None:
+        flame.skip_reason = f"{gpu_reason or 'no GPU'}; use --backend reference on this machine"
+    return [flame, TorchEagerSystem(reason), TorchCompileSystem(reason), CupyFuseSystem(reason)]

@@ -1,0 +1,33 @@
+"""FLAME: a JIT graph compiler for deep-learning training on NVIDIA GPUs.
+
+Tensor ops build a lazy IR graph; realizing a tensor fuses the graph into kernels, renders
+them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs them.
+"""
+
+from flame._version import __version__
+from flame.backend import backend, get_backend, synchronize
+from flame.creation import (
+    arange, from_dlpack, from_numpy, full, full_like, ones, ones_like, rand, rand_like,
+    randn, randn_like, tensor, zeros, zeros_like,
+)  # fmt: skip
+from flame.functional import *  # noqa: F403
+from flame.functional import __all__ as _functional_names
+from flame.ir.dtypes import (
+    DType, bfloat16, bool_, float16, float32, int32, int64, promote as promote_types,
+)  # fmt: skip
+from flame.ir.shapes import ShapeError
+from flame.tensor import Tensor, clamp, realize
+
+half = float16
+float = float32  # noqa: A001 (PyTorch's spelling: flame.float)
+long = int64
+int = int32  # noqa: A001
+bool = bool_  # noqa: A001
+
+__all__ = [
+    "DType", "ShapeError", "Tensor", "__version__", "arange", "backend", "bfloat16", "bool_",
+    "clamp", "float16", "float32", "from_dlpack", "from_numpy", "full", "full_like",
+    "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
+    "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
+    *_functional_names,
+]  # fmt: skip

@@ -1,0 +1,63 @@
+"""Backend selection: ``cuda`` (the GPU) or ``reference`` (NumPy on the CPU).
+
+The choice is a context variable, so two threads (or two asyncio tasks) choosing different
+backends never see each other's choice. ``FLAME_BACKEND`` sets the starting value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+BACKENDS = ("cuda", "reference")
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("flame_backend", default=None)
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def get_backend() -> str:
+    chosen = _current.get()
+    if chosen is not None:
+        return chosen
+    return _check(os.environ.get("FLAME_BACKEND", "cuda") or "cuda")
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """``with flame.backend("reference"): ...`` creates tensors on that backend."""
+    token = _current.set(_check(name))
+    try:
+        yield name
+    finally:
+        _current.reset(token)
+
+
+def realize_nodes(backend_name: str, nodes) -> None:
+    """Compute and memoize ``nodes`` on ``backend_name``."""
+    if backend_name == "reference":
+        from flame.runtime import reference
+        from flame.runtime.storage import Storage
+
+        reference.realize(nodes, lambda dtype, array: Storage("reference", dtype, array=array))
+        return
+    from flame.runtime.device import device_info
+    from flame.runtime.executor import default_executor
+
+    device_info()  # a clear error, naming the way out, when there is no GPU
+    default_executor().realize(nodes)
+
+
+def synchronize() -> None:
+    """Wait until the GPU has finished all work FLAME queued (no-op without a GPU)."""
+    from flame.runtime.device import gpu_available
+
+    if gpu_available():
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()

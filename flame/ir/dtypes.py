@@ -1,0 +1,133 @@
+"""Data types and the promotion table.
+
+Promotion follows PyTorch:
+
+* categories are ordered ``bool < integer < floating``; a binary op's result takes the higher
+  category, and within a category the wider type;
+* ``float16`` with ``bfloat16`` gives ``float32`` (neither holds the other);
+* Python scalars are *weak*: they only raise the category. ``int32_tensor + 2`` stays ``int32``,
+  ``int32_tensor + 2.5`` becomes ``float32`` (the default float), ``float16_tensor * 2.0`` stays
+  ``float16``.
+
+| a \\ b      | bool  | int32 | int64 | float16 | bfloat16 | float32 |
+| ---------- | ----- | ----- | ----- | ------- | -------- | ------- |
+| bool       | bool  | int32 | int64 | float16 | bfloat16 | float32 |
+| int32      | int32 | int32 | int64 | float16 | bfloat16 | float32 |
+| int64      | int64 | int64 | int64 | float16 | bfloat16 | float32 |
+| float16    | f16   | f16   | f16   | float16 | float32  | float32 |
+| bfloat16   | bf16  | bf16  | bf16  | float32 | bfloat16 | float32 |
+| float32    | f32   | f32   | f32   | float32 | float32  | float32 |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class DType:
+    """One FLAME dtype: how it is stored, computed and spelled."""
+
+    name: str
+    short: str  # printer spelling: f32, bf16, i64, ...
+    category: int  # 0 bool, 1 integer, 2 floating
+    rank: int  # width order inside the category
+    itemsize: int
+    numpy: np.dtype  # storage dtype on the host (ml_dtypes for bfloat16)
+    c_storage: str  # C type of one element in memory
+    c_compute: str  # C type arithmetic runs in (float16/bfloat16 compute in float)
+
+    @property
+    def is_float(self) -> bool:
+        return self.category == 2
+
+    @property
+    def is_int(self) -> bool:
+        return self.category == 1
+
+    @property
+    def is_bool(self) -> bool:
+        return self.category == 0
+
+    def __repr__(self) -> str:
+        return f"flame.{self.name}"
+
+    def __reduce__(self):
+        return (dtype, (self.name,))
+
+
+bool_ = DType("bool", "b8", 0, 0, 1, np.dtype(np.bool_), "bool", "bool")
+int32 = DType("int32", "i32", 1, 2, 4, np.dtype(np.int32), "int", "int")
+int64 = DType("int64", "i64", 1, 3, 8, np.dtype(np.int64), "long long", "long long")
+float16 = DType("float16", "f16", 2, 1, 2, np.dtype(np.float16), "unsigned short", "float")
+bfloat16 = DType(
+    "bfloat16", "bf16", 2, 1, 2, np.dtype(ml_dtypes.bfloat16), "unsigned short", "float"
+)
+float32 = DType("float32", "f32", 2, 2, 4, np.dtype(np.float32), "float", "float")
+
+ALL = (bool_, int32, int64, float16, bfloat16, float32)
+FLOATS = (float16, bfloat16, float32)
+DEFAULT_FLOAT = float32
+DEFAULT_INT = int64
+
+_BY_NAME = {d.name: d for d in ALL}
+_BY_NAME.update({"bool_": bool_, "half": float16, "float": float32, "long": int64, "int": int32})
+_BY_NUMPY = {d.numpy: d for d in ALL}
+
+
+def dtype(spec) -> DType:
+    """Resolve a dtype from a FLAME dtype, a name, a NumPy dtype or a PyTorch dtype."""
+    if isinstance(spec, DType):
+        return spec
+    if isinstance(spec, str):
+        found = _BY_NAME.get(spec)
+        if found is None:
+            raise TypeError(f"unknown dtype {spec!r}; FLAME has {', '.join(d.name for d in ALL)}")
+        return found
+    torch_name = getattr(spec, "is_floating_point", None) and str(spec)
+    if torch_name and torch_name.startswith("torch."):
+        return dtype(torch_name[len("torch.") :])
+    try:
+        found = _BY_NUMPY.get(np.dtype(spec))
+    except TypeError:
+        found = None
+    if found is None:
+        raise TypeError(f"unknown dtype {spec!r}; FLAME has {', '.join(d.name for d in ALL)}")
+    return found
+
+
+def promote(a: DType, b: DType) -> DType:
+    """Result dtype of a binary op between two tensors (see the module's table)."""
+    if a is b:
+        return a
+    if a.category != b.category:
+        return a if a.category > b.category else b
+    if a.rank == b.rank:  # float16 vs bfloat16
+        return float32
+    return a if a.rank > b.rank else b
+
+
+def scalar_category(value) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        return 0
+    if isinstance(value, (int, np.integer)):
+        return 1
+    if isinstance(value, (float, np.floating)):
+        return 2
+    raise TypeError(f"expected a tensor or a Python number, got {type(value).__name__}")
+
+
+def promote_scalar(tensor_dtype: DType, value) -> DType:
+    """Result dtype of a tensor with a weak Python scalar."""
+    category = scalar_category(value)
+    if category <= tensor_dtype.category:
+        return tensor_dtype
+    return DEFAULT_FLOAT if category == 2 else DEFAULT_INT
+
+
+def scalar_dtype(value) -> DType:
+    """The dtype a lone Python scalar gets (``fl.tensor(3.0)``)."""
+    return (bool_, DEFAULT_INT, DEFAULT_FLOAT)[scalar_category(value)]

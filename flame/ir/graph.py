@@ -1,0 +1,48 @@
+"""A graph: the nodes reachable from some outputs, with the realized ones as its inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flame.ir.node import Node, toposort
+
+
+def is_input(node: Node) -> bool:
+    """Data the graph reads rather than computes: a buffer leaf or an already realized node."""
+    return node.buffer is not None or node.op == "buffer"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Nodes computed by one kernel. ``outputs`` are the values written to memory."""
+
+    kind: str
+    nodes: tuple[Node, ...]
+    outputs: tuple[Node, ...]
+    reasons: tuple[str, ...] = ()  # why this group ends where it does (for the dump)
+
+
+@dataclass(frozen=True)
+class Graph:
+    outputs: tuple[Node, ...]
+    name: str = "f"
+    groups: tuple[Group, ...] | None = None
+    _nodes: list = field(default=None, compare=False, repr=False)
+
+    @property
+    def nodes(self) -> list[Node]:
+        if self._nodes is None:
+            object.__setattr__(self, "_nodes", toposort(self.outputs, stop=is_input))
+        return self._nodes
+
+    @property
+    def inputs(self) -> list[Node]:
+        return [node for node in self.nodes if is_input(node)]
+
+    def with_outputs(self, outputs) -> Graph:
+        return Graph(tuple(outputs), self.name)
+
+    def __str__(self) -> str:
+        from flame.ir.printer import format_graph
+
+        return format_graph(self)

@@ -1,0 +1,69 @@
+"""Type inference: the result dtype and shape of a node, from its op's declaration.
+
+The tensor layer calls ``infer`` when it builds a node (so bad input fails at the user's
+line); the verifier calls it again after every pass.
+"""
+
+from __future__ import annotations
+
+from flame.ir import dtypes
+from flame.ir.ops import get_op
+from flame.ir.shapes import ShapeError, can_expand
+
+
+def _describe(inputs) -> str:
+    return ", ".join(f"{node.dtype.name}{list(node.shape)}" for node in inputs)
+
+
+def infer(op_name: str, inputs, attrs: dict) -> tuple[dtypes.DType, tuple[int, ...]]:
+    op = get_op(op_name)
+    if len(inputs) != op.arity:
+        raise TypeError(f"{op_name}: takes {op.arity} inputs, got {len(inputs)}")
+    if op.kind == "elementwise":
+        return _infer_elementwise(op, inputs, attrs)
+    if op.kind == "movement":
+        source = inputs[0].shape
+        target = tuple(attrs["shape"])
+        if not can_expand(source, target):
+            raise ShapeError(f"expand: cannot broadcast shape {list(source)} to {list(target)}")
+        return inputs[0].dtype, target
+    raise TypeError(f"{op_name}: a leaf is built directly, not inferred")
+
+
+def _infer_elementwise(op, inputs, attrs):
+    shape = inputs[0].shape
+    for node in inputs[1:]:
+        if node.shape != shape:
+            raise ShapeError(f"{op.name}: inputs must share one shape, got {_describe(inputs)}")
+    if op.name == "cast":
+        return dtypes.dtype(attrs["dtype"]), shape
+    operands = inputs[1:] if op.name == "where" else inputs
+    if op.name == "where" and not inputs[0].dtype.is_bool:
+        raise TypeError(f"where: the condition must be bool, got {inputs[0].dtype.name}")
+    first = operands[0].dtype
+    for node in operands[1:]:
+        if node.dtype is not first:
+            raise TypeError(f"{op.name}: operands must share one dtype, got {_describe(inputs)}")
+    if not op.accepts(first.category):
+        raise TypeError(f"{op.name}: not defined for {first.name} (inputs {_describe(inputs)})")
+    return (dtypes.bool_ if op.out_bool else first), shape
+
+
+def make_node(op_name: str, inputs: tuple, attrs: dict | None = None, site=None):
+    """Build a checked node: attrs sorted by name so equal nodes hash equally."""
+    from flame.ir.node import Node
+
+    attrs = attrs or {}
+    dtype, shape = infer(op_name, inputs, attrs)
+    return Node(op_name, tuple(inputs), tuple(sorted(attrs.items())), dtype, shape, site)
+
+
+def make_const(value, dtype: dtypes.DType, site=None):
+    """A scalar constant, its value stored as the dtype holds it (so 0.1 in float16 is the
+    float16 nearest 0.1, the same number the kernel will use)."""
+    from flame.ir.node import Node
+
+    value = dtype.numpy.type(value).item() if not dtype.is_bool else bool(value)
+    if dtype.is_float:
+        value = float(value)
+    return Node("const", (), (("value", value),), dtype, (), site)

@@ -1,0 +1,152 @@
+"""The IR's one node type.
+
+A ``Node`` is immutable and hashed by structure: op name, attributes, result type and inputs.
+Two nodes built the same way from the same leaves compare equal, which is what
+common-subexpression elimination and the kernel caches rely on. Leaves that hold data
+(``buffer``) carry their ``Storage``, which is hashed by identity: two different arrays are
+two different leaves.
+
+There is no graph object to register nodes in and no global counter: a graph is whatever is
+reachable from the nodes a tensor holds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from flame.ir.dtypes import DType
+
+_FLAME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Site(tuple):
+    """Where a node was built: the first frame outside the FLAME package."""
+
+    __slots__ = ()
+
+    def __new__(cls, filename: str, line: int):
+        return tuple.__new__(cls, (filename, line))
+
+    @property
+    def filename(self) -> str:
+        return self[0]
+
+    @property
+    def line(self) -> int:
+        return self[1]
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self[0])}:{self[1]}"
+
+
+def user_site() -> Site | None:
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_FLAME_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return Site(frame.f_code.co_filename, frame.f_lineno)
+
+
+class Node:
+    """One single-assignment value of the IR.
+
+    ``buffer`` is a memo, not structure: once a node has been computed its result is kept
+    there, so later graphs that reach this node read it instead of computing it again.
+    """
+
+    __slots__ = ("op", "inputs", "attrs", "dtype", "shape", "site", "buffer", "_hash")
+
+    def __init__(
+        self,
+        op: str,
+        inputs: tuple[Node, ...],
+        attrs: tuple[tuple[str, Any], ...],
+        dtype: DType,
+        shape: tuple[int, ...],
+        site: Site | None = None,
+    ):
+        self.op = op
+        self.inputs = inputs
+        self.attrs = attrs
+        self.dtype = dtype
+        self.shape = shape
+        self.site = site
+        self.buffer = None
+        self._hash = hash((op, attrs, dtype.name, shape, *[node._hash for node in inputs]))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Node) or self._hash != other._hash:
+            return False
+        # Iterative, so that two long identical chains do not exhaust the recursion limit.
+        stack = [(self, other)]
+        while stack:
+            left, right = stack.pop()
+            if left is right:
+                continue
+            if not left._same_local(right):
+                return False
+            stack.extend(zip(left.inputs, right.inputs))
+        return True
+
+    def _same_local(self, other: Node) -> bool:
+        return (
+            self._hash == other._hash
+            and self.op == other.op
+            and self.dtype is other.dtype
+            and self.shape == other.shape
+            and self.attrs == other.attrs
+            and len(self.inputs) == len(other.inputs)
+        )
+
+    def attr(self, name: str, default=None):
+        for key, value in self.attrs:
+            if key == name:
+                return value
+        return default
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    def __repr__(self) -> str:
+        shape = ",".join(str(size) for size in self.shape)
+        return f"Node({self.op}: {self.dtype.short}[{shape}])"
+
+
+def toposort(outputs, stop=None) -> list[Node]:
+    """Nodes reachable from ``outputs``, inputs before users, in a deterministic order.
+
+    ``stop(node)`` true means: treat the node as a leaf (do not visit its inputs).
+    """
+    order: list[Node] = []
+    seen: set[int] = set()
+    for root in outputs:
+        if id(root) in seen:
+            continue
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.append((node, True))
+            if stop is not None and stop(node):
+                continue
+            for child in reversed(node.inputs):
+                if id(child) not in seen:
+                    stack.append((child, False))
+    return order

@@ -1,0 +1,246 @@
+"""Elementwise ops: one declaration each (NumPy reference beside its CUDA expression).
+
+Float expressions run in ``float`` (float16/bfloat16 are computed in float32); integer
+expressions in ``int`` / ``long long``; bool expressions in ``bool``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flame.ir.ops.registry import def_helper, def_op
+
+POSITIVE = ((0.1, 4.0),)
+NONZERO = (-3.0, 3.0, "nonzero")
+
+
+def _unary_float(name, ref, cuda, domains=((-3.0, 3.0),), **extra):
+    return def_op(
+        name, "elementwise", 1, ref=ref, cuda={"f": cuda}, promotion="int_to_float",
+        domains=domains, **extra,
+    )  # fmt: skip
+
+
+_unary_float("exp", np.exp, "expf({0})")
+_unary_float("log", np.log, "logf({0})", POSITIVE)
+_unary_float("log1p", np.log1p, "log1pf({0})", ((-0.9, 4.0),))
+_unary_float("expm1", np.expm1, "expm1f({0})")
+_unary_float("sqrt", np.sqrt, "sqrtf({0})", POSITIVE)
+_unary_float("rsqrt", lambda x: 1 / np.sqrt(x), "rsqrtf({0})", POSITIVE)
+_unary_float("sin", np.sin, "sinf({0})")
+_unary_float("cos", np.cos, "cosf({0})")
+_unary_float("tanh", np.tanh, "tanhf({0})")
+_unary_float("sigmoid", lambda x: 1 / (1 + np.exp(-x)), "(1.0f / (1.0f + expf(-{0})))")
+_unary_float("silu", lambda x: x / (1 + np.exp(-x)), "({0} / (1.0f + expf(-{0})))")
+_unary_float("reciprocal", lambda x: 1 / x, "(1.0f / {0})", (NONZERO,))
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _gelu_ref(x, approximate="none"):
+    if approximate == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)
+        return 0.5 * x * (1 + np.tanh(inner))
+    return (0.5 * x * (1 + _erf(x.astype(np.float64) / math.sqrt(2)))).astype(x.dtype)
+
+
+def_helper(
+    "flame_gelu_none",
+    """
+__device__ __forceinline__ float flame_gelu_none(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}""",
+)
+def_helper(
+    "flame_gelu_tanh",
+    """
+__device__ __forceinline__ float flame_gelu_tanh(float x) {
+    const float inner = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}""",
+)
+_unary_float(
+    "gelu", _gelu_ref, "flame_gelu_{approximate}({0})",
+    helpers=("flame_gelu_none", "flame_gelu_tanh"), attrs={"approximate": "none"},
+    attr_samples=({"approximate": "none"}, {"approximate": "tanh"}),
+)  # fmt: skip
+_unary_float(
+    "softplus",
+    lambda x, beta=1.0, threshold=20.0: np.where(
+        x * beta > threshold, x, np.log1p(np.exp(np.minimum(x * beta, threshold))) / beta
+    ),
+    "({0} * {beta} > {threshold} ? {0} : log1pf(expf({0} * {beta})) / {beta})",
+    attrs={"beta": 1.0, "threshold": 20.0},
+    attr_samples=({"beta": 1.0, "threshold": 20.0}, {"beta": 2.0, "threshold": 1.0}),
+)
+
+
+def _elementwise(name, ref, cuda, arity=1, **extra):
+    return def_op(name, "elementwise", arity, ref=ref, cuda=cuda, **extra)
+
+
+_elementwise("neg", np.negative, {"f": "(-{0})", "i": "(-{0})"}, categories="if")
+_elementwise(
+    "abs", np.abs, {"f": "fabsf({0})", "i": "({0} < 0 ? -{0} : {0})", "b": "{0}"},
+)  # fmt: skip
+_elementwise(
+    "relu", lambda x: np.where(x < 0, np.zeros_like(x), x),
+    {"f": "({0} < 0.0f ? 0.0f : {0})", "i": "({0} < 0 ? 0 : {0})"}, categories="if",
+)  # fmt: skip
+_elementwise(
+    "leaky_relu",
+    lambda x, negative_slope=0.01: np.where(x < 0, x * negative_slope, x),
+    {"f": "({0} < 0.0f ? {0} * {negative_slope} : {0})"},
+    promotion="int_to_float", categories="f", attrs={"negative_slope": 0.01},
+    attr_samples=({"negative_slope": 0.01}, {"negative_slope": 0.2}),
+)  # fmt: skip
+_elementwise("floor", np.floor, {"f": "floorf({0})", "i": "{0}"}, categories="if")
+_elementwise("ceil", np.ceil, {"f": "ceilf({0})", "i": "{0}"}, categories="if")
+# rintf rounds half to even, as torch.round and np.round do.
+_elementwise("round", np.round, {"f": "rintf({0})", "i": "{0}"}, categories="if")
+_elementwise(
+    "sign", lambda x: np.sign(x).astype(x.dtype),
+    {"f": "(float)(({0} > 0.0f) - ({0} < 0.0f))", "i": "(({0} > 0) - ({0} < 0))", "b": "{0}"},
+    differentiable=True,
+)  # fmt: skip
+_elementwise("logical_not", np.logical_not, {"b": "(!{0})"}, categories="b")
+_elementwise("bitwise_not", np.invert, {"i": "(~{0})", "b": "(!{0})"}, categories="ib")
+
+
+def _binary(name, ref, cuda, **extra):
+    return def_op(name, "elementwise", 2, ref=ref, cuda=cuda, **extra)
+
+
+_binary("add", np.add, {"f": "({0} + {1})", "i": "({0} + {1})", "b": "({0} || {1})"})
+_binary("sub", np.subtract, {"f": "({0} - {1})", "i": "({0} - {1})"}, categories="if")
+_binary("mul", np.multiply, {"f": "({0} * {1})", "i": "({0} * {1})", "b": "({0} && {1})"})
+_binary(
+    "div", np.true_divide, {"f": "({0} / {1})"}, promotion="int_to_float",
+    domains=((-3.0, 3.0), NONZERO),
+)  # fmt: skip
+
+# Floor division and remainder follow Python (and NumPy, and PyTorch): the quotient is
+# rounded down and the remainder takes the divisor's sign. Integer division by zero is
+# undefined on the GPU.
+def_helper(
+    "flame_floordiv",
+    """
+__device__ __forceinline__ float flame_floordiv(float a, float b) {
+    const float mod = fmodf(a, b);
+    float div = (a - mod) / b;
+    if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) div -= 1.0f;
+    if (div == 0.0f) return copysignf(0.0f, a / b);
+    const float floored = floorf(div);
+    return (div - floored > 0.5f) ? floored + 1.0f : floored;
+}
+template <typename T>
+__device__ __forceinline__ T flame_floordiv(T a, T b) {
+    T quotient = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0))) quotient -= 1;
+    return quotient;
+}""",
+)
+def_helper(
+    "flame_remainder",
+    """
+__device__ __forceinline__ float flame_remainder(float a, float b) {
+    float mod = fmodf(a, b);
+    if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) mod += b;
+    return mod;
+}
+template <typename T>
+__device__ __forceinline__ T flame_remainder(T a, T b) {
+    T mod = a % b;
+    if (mod != 0 && ((mod < 0) != (b < 0))) mod += b;
+    return mod;
+}""",
+)
+_binary(
+    "floordiv", np.floor_divide,
+    {"f": "flame_floordiv({0}, {1})", "i": "flame_floordiv({0}, {1})"},
+    categories="if", helpers=("flame_floordiv",), differentiable=False,
+    domains=((-6.0, 6.0), NONZERO),
+)  # fmt: skip
+_binary(
+    "remainder", np.remainder,
+    {"f": "flame_remainder({0}, {1})", "i": "flame_remainder({0}, {1})"},
+    categories="if", helpers=("flame_remainder",), domains=((-6.0, 6.0), NONZERO),
+)  # fmt: skip
+def_helper(
+    "flame_ipow",
+    """
+template <typename T>
+__device__ __forceinline__ T flame_ipow(T base, T exponent) {
+    if (exponent < 0) return base == 1 ? 1 : (base == -1 ? ((exponent & 1) ? -1 : 1) : 0);
+    T result = 1;
+    while (exponent) {
+        if (exponent & 1) result *= base;
+        base *= base;
+        exponent >>= 1;
+    }
+    return result;
+}""",
+)
+_binary(
+    "pow", np.power, {"f": "powf({0}, {1})", "i": "flame_ipow({0}, {1})"},
+    categories="if", helpers=("flame_ipow",), domains=((0.1, 3.0), (-2.0, 2.0)),
+)  # fmt: skip
+
+# NaN propagates through maximum/minimum from either side, as in PyTorch (fmaxf would drop it).
+def_helper(
+    "flame_minmax",
+    """
+__device__ __forceinline__ float flame_max(float a, float b) { return (a != a || a > b) ? a : b; }
+__device__ __forceinline__ float flame_min(float a, float b) { return (a != a || a < b) ? a : b; }""",
+)
+_binary(
+    "maximum", np.maximum,
+    {"f": "flame_max({0}, {1})", "i": "({0} > {1} ? {0} : {1})", "b": "({0} || {1})"},
+    helpers=("flame_minmax",),
+)  # fmt: skip
+_binary(
+    "minimum", np.minimum,
+    {"f": "flame_min({0}, {1})", "i": "({0} < {1} ? {0} : {1})", "b": "({0} && {1})"},
+    helpers=("flame_minmax",),
+)  # fmt: skip
+
+for _name, _ufunc, _symbol in (
+    ("eq", np.equal, "=="),
+    ("ne", np.not_equal, "!="),
+    ("lt", np.less, "<"),
+    ("le", np.less_equal, "<="),
+    ("gt", np.greater, ">"),
+    ("ge", np.greater_equal, ">="),
+):
+    _expression = "({0} %s {1})" % _symbol
+    _binary(
+        _name, _ufunc, {"f": _expression, "i": _expression, "b": _expression},
+        out_bool=True, promotion="always_bool", differentiable=False,
+    )  # fmt: skip
+
+for _name, _ufunc, _symbol in (
+    ("bitwise_and", np.bitwise_and, "&"),
+    ("bitwise_or", np.bitwise_or, "|"),
+    ("bitwise_xor", np.bitwise_xor, "^"),
+):
+    _expression = "({0} %s {1})" % _symbol
+    _binary(
+        _name, _ufunc, {"i": _expression, "b": _expression}, categories="ib",
+        differentiable=False,
+    )  # fmt: skip
+
+def_op(
+    "where", "elementwise", 3,
+    ref=lambda condition, a, b: np.where(condition, a, b),
+    cuda={"f": "({0} ? {1} : {2})", "i": "({0} ? {1} : {2})", "b": "({0} ? {1} : {2})"},
+    promotion="where",
+)  # fmt: skip
+
+# cast: the expression depends on both dtypes, so codegen spells it (see codegen/spec.py);
+# the declaration still owns its reference and dtype rule.
+def_op(
+    "cast", "elementwise", 1, ref=lambda x, dtype=None: x, promotion="none",
+    attrs={"dtype": None},
+)  # fmt: skip

@@ -1,0 +1,48 @@
+"""The pass pipeline, in order. Each step is a pure ``Graph -> Graph`` function."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from flame.ir.graph import Graph
+from flame.ir.passes.cse import cse
+from flame.ir.passes.dce import dce
+from flame.ir.passes.fuse import fuse
+from flame.ir.passes.simplify import simplify
+from flame.ir.verify import verify
+
+PIPELINE = (
+    simplify,  # fold constants, drop identities (x*1, expand to the same shape, ...)
+    cse,  # one node per distinct computation
+    dce,  # only what the outputs need
+    fuse,  # elementwise groups -> kernels
+)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    graph: Graph
+
+
+def run_pipeline(graph: Graph, record: bool = False, verify_each: bool | None = None):
+    """Run every pass; with ``record`` return ``(graph, [PassRecord, ...])`` for the dump.
+
+    ``verify_each`` (default: the ``FLAME_VERIFY`` environment variable) re-checks every node
+    against its op's rule after every pass.
+    """
+    if verify_each is None:
+        verify_each = os.environ.get("FLAME_VERIFY", "") not in ("", "0")
+    history = [PassRecord("input", 0.0, graph)] if record else None
+    for step in PIPELINE:
+        start = time.perf_counter()
+        graph = step(graph)
+        elapsed = time.perf_counter() - start
+        if verify_each:
+            verify(graph, after=step.__name__)
+        if record:
+            history.append(PassRecord(step.__name__, elapsed, graph))
+    return (graph, history) if record else graph

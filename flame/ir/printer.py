@@ -1,0 +1,52 @@
+"""The text form of a graph: short, typed, deterministic (names come from position)."""
+
+from __future__ import annotations
+
+from flame.ir.graph import Graph, is_input
+from flame.ir.node import Node
+
+
+def format_type(node: Node) -> str:
+    return f"{node.dtype.short}[{','.join(str(size) for size in node.shape)}]"
+
+
+def format_value(value) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple):
+        return "[" + ",".join(format_value(item) for item in value) + "]"
+    if hasattr(value, "name") and hasattr(value, "short"):
+        return value.name
+    return repr(value)
+
+
+def format_graph(graph: Graph, comment_width: int = 44) -> str:
+    names: dict[int, str] = {}
+    params = []
+    for node in graph.nodes:
+        if is_input(node):
+            names[id(node)] = f"%{len(names)}"
+            params.append(f"{names[id(node)]}: {format_type(node)}")
+    group_of = {}
+    for index, group in enumerate(graph.groups or ()):
+        for node in group.nodes:
+            group_of[id(node)] = index
+    lines = [f"graph {graph.name}({', '.join(params)}) {{"]
+    for node in graph.nodes:
+        if is_input(node):
+            continue
+        names[id(node)] = f"%{len(names)}"
+        arguments = [names[id(child)] for child in node.inputs]
+        arguments += [f"{key}={format_value(value)}" for key, value in node.attrs]
+        text = f"  {names[id(node)]}: {format_type(node)} = {node.op}({', '.join(arguments)})"
+        notes = []
+        if id(node) in group_of:
+            notes.append(f"k{group_of[id(node)]}")
+        if node.site is not None:
+            notes.append(str(node.site))
+        if notes:
+            text = text.ljust(comment_width) + "  # " + " ".join(notes)
+        lines.append(text)
+    lines.append(f"  return {', '.join(names[id(node)] for node in graph.outputs)}")
+    lines.append("}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""NVRTC compilation with an in-memory and an on-disk cache.
+
+A compiled kernel is keyed by its code (rendered source without the leading comment), the
+target arch, the NVRTC version, the options and FLAME's version: the cubin on disk is reused
+by any process whose compile would produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from flame._version import __version__
+from flame.codegen.render import code_key
+from flame.runtime.cache import DiskCache
+from flame.runtime.device import target_arch
+
+OPTIONS = ("-std=c++17",)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a generated kernel: the message names it and holds its log and source."""
+
+    def __init__(self, name: str, log: str, source: str):
+        numbered = "\n".join(f"{number:4d}  {line}" for number, line in enumerate(source.splitlines(), 1))
+        super().__init__(f"NVRTC failed to compile kernel {name}:\n{log}\n--- source ---\n{numbered}")
+        self.kernel_name, self.log, self.source = name, log, source
+
+
+def nvrtc_version() -> str:
+    from cupy.cuda import nvrtc
+
+    major, minor = nvrtc.getVersion()
+    return f"{major}.{minor}"
+
+
+def nvrtc_compile(source: str, name: str, arch: str, options=OPTIONS) -> bytes:
+    """Compile CUDA C to a cubin for ``arch``. Needs only the NVRTC library, not a GPU."""
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", *options])
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(name, nvrtc.getProgramLog(program), source) from None
+        return bytes(nvrtc.getCUBIN(program))
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@dataclass
+class CacheStats:
+    memory_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    events: list = field(default_factory=list)  # (kernel name, "memory"|"disk"|"compiled", seconds)
+
+
+class KernelCache:
+    """cubins by content key: memory first, then disk, then NVRTC. Thread-safe."""
+
+    def __init__(self, disk: DiskCache | None = None, arch: str | None = None):
+        self.disk = disk if disk is not None else DiskCache()
+        self.arch = arch
+        self.stats = CacheStats()
+        self._cubins: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def key(self, source: str) -> str:
+        arch = self.arch or target_arch()
+        return DiskCache.key(code_key(source), arch, nvrtc_version(), " ".join(OPTIONS), __version__)
+
+    def cubin(self, source: str, name: str) -> tuple[str, bytes]:
+        key = self.key(source)
+        with self._lock:
+            cached = self._cubins.get(key)
+            if cached is not None:
+                self.stats.memory_hits += 1
+                return key, cached
+        start = time.perf_counter()
+        data = self.disk.get(key)
+        origin = "disk"
+        if data is None:
+            data = nvrtc_compile(source, name, self.arch or target_arch())
+            self.disk.put(key, data)
+            origin = "compiled"
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._cubins[key] = data
+            if origin == "disk":
+                self.stats.disk_hits += 1
+            else:
+                self.stats.compiles += 1
+                self.stats.compile_seconds += elapsed
+            self.stats.events.append((name, origin, elapsed))
+        return key, data
+
+    def cubins(self, sources_and_names) -> list[tuple[str, bytes]]:
+        """Several kernels at once; NVRTC runs in parallel threads."""
+        items = list(sources_and_names)
+        if len(items) <= 1:
+            return [self.cubin(source, name) for source, name in items]
+        with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
+            return list(pool.map(lambda item: self.cubin(*item), items))
+
+
+_default_cache: KernelCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_kernel_cache() -> KernelCache:
+    """The process's kernel cache (content-addressed, so sharing it cannot mix results)."""
+    global _default_cache
+    with _default_lock:
+        if _default_cache is None:
+            _default_cache = KernelCache()
+        return _default_cache

@@ -1,0 +1,197 @@
+"""The CUDA executor: graph -> plan (passes, codegen, compile) -> launches.
+
+A *plan* is keyed by the graph's structure with its inputs abstracted to their type and
+layout, so a loop that builds the same expression each step plans once and then only hashes
+and launches. A new size makes a new plan (cheap: passes and codegen) that finds its kernels
+already compiled, because sizes are kernel arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from flame.codegen.elementwise import lower_elementwise
+from flame.codegen.render import render
+from flame.ir.graph import Graph, is_input
+from flame.ir.node import Node, toposort
+from flame.ir.passes import run_pipeline
+from flame.ir.shapes import contiguous_strides
+from flame.runtime.compiler import KernelCache, default_kernel_cache
+from flame.runtime.device import device_info
+from flame.runtime.storage import Storage
+
+BLOCKS_PER_SM = 8
+PLAN_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class Launch:
+    name: str
+    source: str
+    function: object
+    grid: int
+    block: int
+    # per parameter: ("out", slot) | ("in", slot) | ("scalar", numpy value)
+    args: tuple
+    writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
+    shapes: tuple  # per written slot: (shape, dtype)
+
+
+@dataclass(frozen=True)
+class Plan:
+    launches: tuple[Launch, ...]
+    slot_count: int
+    output_slots: tuple[int, ...]  # where each requested output ends up
+    graph: Graph  # after the passes, for the dump
+    plan_seconds: float
+
+
+def structure_key(order: list[Node], outputs) -> tuple:
+    """The graph as a flat tuple: computed nodes by op/attrs/type/input positions, inputs by
+    type and layout only."""
+    position = {}
+    parts = []
+    for index, node in enumerate(order):
+        position[id(node)] = index
+        if is_input(node):
+            storage = node.buffer or node.attr("storage")
+            parts.append((node.dtype.name, node.shape, storage.strides(), storage.aligned()))
+        else:
+            parts.append(
+                (node.op, node.attrs, node.dtype.name, node.shape,
+                 tuple(position[id(child)] for child in node.inputs))
+            )  # fmt: skip
+    parts.append(tuple(position[id(node)] for node in outputs))
+    return tuple(parts)
+
+
+class Executor:
+    """Plans and runs graphs on the current CUDA device. Thread-safe."""
+
+    def __init__(self, kernels: KernelCache | None = None):
+        self.kernels = kernels or default_kernel_cache()
+        self._plans: dict[tuple, Plan] = {}
+        self._functions: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.plan_hits = 0
+        self.plan_misses = 0
+
+    def realize(self, nodes: list[Node]) -> None:
+        pending = list(dict.fromkeys(n for n in nodes if n.buffer is None and n.op != "buffer"))
+        if not pending:
+            return
+        order = toposort(pending, stop=is_input)
+        inputs = [node for node in order if is_input(node)]
+        key = structure_key(order, pending)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(pending, inputs)
+            with self._lock:
+                if len(self._plans) >= PLAN_CACHE_SIZE:
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = plan
+                self.plan_misses += 1
+        else:
+            self.plan_hits += 1
+        slots = self.run(plan, [_array_of(node) for node in inputs])
+        for node, slot in zip(pending, plan.output_slots):
+            node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+
+    def run(self, plan: Plan, input_arrays: list) -> list:
+        import cupy
+
+        slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
+        for launch in plan.launches:
+            for slot, (shape, dtype) in zip((s for s, _ in launch.writes), launch.shapes):
+                slots[slot] = cupy.empty(shape, dtype=dtype)
+            arguments = [
+                slots[value] if kind != "scalar" else value for kind, value in launch.args
+            ]
+            launch.function((launch.grid,), (launch.block,), arguments)
+        return slots
+
+    def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
+        start = time.perf_counter()
+        graph = run_pipeline(Graph(tuple(pending)))
+        slot_of = {id(node): index for index, node in enumerate(inputs)}
+        slot_count = len(inputs)
+        lowered_groups = []
+        for group in graph.groups:
+            for output in group.outputs:
+                slot_of[id(output)] = slot_count
+                slot_count += 1
+            lowered_groups.append(lower_elementwise(group, _layout_of))
+        sources = [(render(low.spec), low.spec.name) for low in lowered_groups]
+        functions = self._load(sources)
+        launches = tuple(
+            _launch(low, source, function, slot_of)
+            for low, (source, _), function in zip(lowered_groups, sources, functions)
+        )
+        output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
+        return Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
+
+    def _load(self, sources) -> list:
+        import cupy
+
+        results = self.kernels.cubins(sources)
+        functions = []
+        for (key, cubin), (_, name) in zip(results, sources):
+            with self._lock:
+                function = self._functions.get(key)
+                if function is None:
+                    module = cupy.cuda.function.Module()
+                    module.load(cubin)
+                    function = (module, module.get_function(name))
+                    self._functions[key] = function
+            functions.append(function[1])
+        return functions
+
+
+def _array_of(node: Node):
+    storage = node.buffer if node.buffer is not None else node.attr("storage")
+    return storage.device_array()
+
+
+def _layout_of(node: Node):
+    if is_input(node):
+        storage = node.buffer if node.buffer is not None else node.attr("storage")
+        return storage.strides(), storage.aligned()
+    return contiguous_strides(node.shape), True  # written by an earlier kernel of this plan
+
+
+def _launch(lowered, source, function, slot_of) -> Launch:
+    spec = lowered.spec
+    arguments = []
+    for arg in spec.params:
+        if arg.kind == "out":
+            arguments.append(("out", slot_of[id(lowered.outputs[arg.operand])]))
+        elif arg.kind == "in":
+            arguments.append(("in", slot_of[id(lowered.reads[arg.operand])]))
+        else:
+            scalar = np.int32 if spec.index_type == "int" else np.int64
+            arguments.append(("scalar", scalar(arg.value)))
+    trip_count = lowered.numel // spec.vec if spec.vec > 1 else lowered.numel
+    blocks = max(1, min(-(-trip_count // spec.block), device_info().multiprocessors * BLOCKS_PER_SM))
+    writes = tuple((slot_of[id(node)], position) for position, node in enumerate(lowered.outputs))
+    shapes = tuple((node.shape, _cupy_dtype(node.dtype)) for node in lowered.outputs)
+    return Launch(spec.name, source, function, blocks, spec.block, tuple(arguments), writes, shapes)
+
+
+def _cupy_dtype(dtype):
+    return np.uint16 if dtype.name == "bfloat16" else dtype.numpy
+
+
+_executor: Executor | None = None
+_executor_lock = threading.Lock()
+
+
+def default_executor() -> Executor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = Executor()
+        return _executor

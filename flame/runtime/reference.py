@@ -1,0 +1,55 @@
+"""The reference interpreter: runs any graph with NumPy.
+
+It is the oracle of the test suite (``precision=np.float64`` evaluates every float op in
+float64), the backend of machines without a GPU (``FLAME_BACKEND=reference``), and the
+explanation of a result. It runs the graph exactly as built: no passes, no fusion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.ir.evaluate import evaluate_elementwise, evaluate_leaf
+from flame.ir.graph import is_input
+from flame.ir.node import Node, toposort
+from flame.ir.ops import get_op
+
+
+def input_value(node: Node) -> np.ndarray:
+    storage = node.buffer if node.buffer is not None else node.attr("storage")
+    return storage.numpy()
+
+
+def evaluate(outputs, precision=None, inputs=None) -> list[np.ndarray]:
+    """Values of ``outputs``. ``inputs`` may map ``id(node)`` to an array to use instead of a
+    node's realized value (the checker feeds one kernel's inputs this way)."""
+    values: dict[int, np.ndarray] = {}
+    for node in toposort(outputs, stop=is_input):
+        if inputs is not None and id(node) in inputs:
+            values[id(node)] = np.asarray(inputs[id(node)])
+        elif is_input(node):
+            array = input_value(node)
+            if precision is not None and node.dtype.is_float:
+                array = array.astype(precision)
+            values[id(node)] = array
+        else:
+            values[id(node)] = _evaluate_node(node, values, precision)
+    return [values[id(node)] for node in outputs]
+
+
+def _evaluate_node(node: Node, values, precision):
+    kind = get_op(node.op).kind
+    if kind == "leaf":
+        return evaluate_leaf(node, precision)
+    arguments = [values[id(child)] for child in node.inputs]
+    if kind == "movement":
+        return np.broadcast_to(arguments[0], node.shape)
+    return evaluate_elementwise(node, arguments, precision)
+
+
+def realize(nodes, storage_factory) -> None:
+    """Compute ``nodes`` and memoize each result as a contiguous NumPy array."""
+    pending = [node for node in nodes if node.buffer is None and node.op != "buffer"]
+    for node, value in zip(pending, evaluate(pending)):
+        array = np.ascontiguousarray(np.asarray(value, dtype=node.dtype.numpy))
+        node.buffer = storage_factory(node.dtype, array)

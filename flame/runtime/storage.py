@@ -1,0 +1,63 @@
+"""``Storage``: the memory behind a realized value, on one backend.
+
+On the CUDA backend ``array`` is a CuPy array (bfloat16 is held as uint16 bits, since CuPy
+has no bfloat16); on the reference backend it is a NumPy array. Data handed in from the host
+waits in ``host`` and is copied to the GPU the first time a kernel needs it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.ir import dtypes
+
+
+class Storage:
+    __slots__ = ("backend", "dtype", "array", "host", "__weakref__")
+
+    def __init__(self, backend: str, dtype: dtypes.DType, array=None, host=None):
+        self.backend = backend
+        self.dtype = dtype
+        self.array = array
+        self.host = host
+
+    def device_array(self):
+        """The CuPy array, copying host data to the GPU on first use."""
+        if self.array is None:
+            import cupy
+
+            host = self.host
+            if self.dtype is dtypes.bfloat16:
+                host = host.view(np.uint16)
+            self.array = cupy.asarray(np.ascontiguousarray(host))
+        return self.array
+
+    def numpy(self) -> np.ndarray:
+        if self.backend == "reference":
+            return self.array
+        if self.array is None:
+            return self.host
+        data = self.array.get()
+        if self.dtype is dtypes.bfloat16:
+            data = data.view(self.dtype.numpy)
+        return data
+
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements of the array kernels will read."""
+        array = self.array if self.array is not None else self.host
+        if self.backend == "cuda" and self.array is None:
+            return tuple(_contiguous(array.shape))
+        return tuple(stride // array.itemsize for stride in array.strides)
+
+    def aligned(self, vector_bytes: int = 16) -> bool:
+        if self.backend != "cuda" or self.array is None:
+            return True
+        return self.array.data.ptr % vector_bytes == 0
+
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return reversed(strides)

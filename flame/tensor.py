@@ -1,0 +1,336 @@
+"""The lazy ``Tensor``: it holds one IR node; operators build nodes; nothing runs until a
+value is asked for (``.numpy()``, ``.item()``, ``.realize()``, DLPack, ...).
+
+Every op is built through ``apply``, which applies the op's declared promotion, broadcasts,
+checks, and records the user's line, so bad input fails here, when the op is built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.backend import get_backend, realize_nodes
+from flame.ir import dtypes
+from flame.ir.infer import make_const, make_node
+from flame.ir.node import Node, user_site
+from flame.ir.ops import get_op
+from flame.ir.shapes import ShapeError, broadcast_shapes
+
+_NUMBER_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
+
+
+class Tensor:
+    __slots__ = ("node", "backend", "__weakref__")
+    __array_priority__ = 1000  # NumPy defers to our reflected operators
+    __array_ufunc__ = None
+
+    def __init__(self, node: Node, backend: str):
+        self.node = node
+        self.backend = backend
+
+    # --- metadata (never runs anything) -------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> dtypes.DType:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    def numel(self) -> int:
+        return self.node.numel
+
+    def size(self, dim: int | None = None):
+        if dim is None:
+            return self.shape
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"size: dim {dim} out of range for {self.ndim}-d tensor")
+        return self.shape[dim]
+
+    @property
+    def is_realized(self) -> bool:
+        return self.node.buffer is not None or self.node.op == "buffer"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        state = "realized" if self.is_realized else f"lazy: {self.node.op}"
+        return (
+            f"tensor(shape={list(self.shape)}, dtype={self.dtype.name}, {state}, "
+            f"backend={self.backend})"
+        )
+
+    __str__ = __repr__
+
+    def ir(self) -> str:
+        """The IR text of the graph behind this tensor."""
+        from flame.ir.graph import Graph
+
+        return str(Graph((self.node,)))
+
+    # --- realization ----------------------------------------------------------------------
+    def realize(self) -> Tensor:
+        realize(self)
+        return self
+
+    def _storage(self):
+        self.realize()
+        return self.node.buffer if self.node.buffer is not None else self.node.attr("storage")
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self._storage().numpy()).reshape(self.shape)
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item: tensor has {self.numel()} elements, shape {list(self.shape)}")
+        return self.numpy().reshape(()).item()
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        if not self.dtype.is_int:
+            raise TypeError(f"only integer tensors can be used as an index, not {self.dtype.name}")
+        return int(self.item())
+
+    # --- interop (realizes) ---------------------------------------------------------------
+    def __dlpack__(self, stream=None, **kwargs):
+        storage = self._storage()
+        if storage.backend == "reference" or storage.array is None:
+            return np.ascontiguousarray(storage.numpy()).__dlpack__(**_numpy_dlpack_args(kwargs))
+        if self.dtype is dtypes.bfloat16:
+            raise TypeError("DLPack export of bfloat16 needs a CuPy with bfloat16; use .numpy()")
+        return storage.device_array().__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self):
+        if self.backend == "reference":
+            return (1, 0)  # kDLCPU
+        import cupy
+
+        return (2, cupy.cuda.runtime.getDevice())  # kDLCUDA
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.backend != "cuda":
+            raise AttributeError("a reference-backend tensor lives on the CPU")
+        if self.dtype is dtypes.bfloat16:
+            raise AttributeError("CUDA array interface has no bfloat16 type")
+        return self._storage().device_array().__cuda_array_interface__
+
+    # --- casts ------------------------------------------------------------------------------
+    def to(self, dtype) -> Tensor:
+        target = dtypes.dtype(dtype)
+        if target is self.dtype:
+            return self
+        return apply("cast", self, dtype=target)
+
+    def float(self):
+        return self.to(dtypes.float32)
+
+    def half(self):
+        return self.to(dtypes.float16)
+
+    def bfloat16(self):
+        return self.to(dtypes.bfloat16)
+
+    def int(self):
+        return self.to(dtypes.int32)
+
+    def long(self):
+        return self.to(dtypes.int64)
+
+    def bool(self):
+        return self.to(dtypes.bool_)
+
+    def detach(self) -> Tensor:
+        return self
+
+    def clamp(self, min=None, max=None) -> Tensor:  # noqa: A002 (PyTorch's names)
+        return clamp(self, min, max)
+
+    clip = clamp
+
+    def where(self, condition, other) -> Tensor:
+        return apply("where", condition, self, other)
+
+    # --- operators ---------------------------------------------------------------------------
+    def __neg__(self):
+        return apply("neg", self)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return apply("abs", self)
+
+    def __invert__(self):
+        return apply("bitwise_not", self)
+
+
+def _numpy_dlpack_args(kwargs):
+    return {key: value for key, value in kwargs.items() if key in ("max_version", "copy")}
+
+
+def _binary_operator(op_name: str, reflected: bool = False):
+    if reflected:
+        return lambda self, other: apply(op_name, other, self)
+    return lambda self, other: apply(op_name, self, other)
+
+
+for _dunder, _op in (
+    ("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "div"),
+    ("floordiv", "floordiv"), ("mod", "remainder"), ("pow", "pow"),
+    ("and", "bitwise_and"), ("or", "bitwise_or"), ("xor", "bitwise_xor"),
+):  # fmt: skip
+    setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
+    setattr(Tensor, f"__r{_dunder}__", _binary_operator(_op, reflected=True))
+for _dunder, _op in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")):
+    setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
+Tensor.__hash__ = object.__hash__
+
+
+# --- building ops ---------------------------------------------------------------------------
+
+
+def _operand_error(op_name: str, value) -> TypeError:
+    return TypeError(
+        f"{op_name}: expected a flame.Tensor or a Python number, got {type(value).__name__}"
+    )
+
+
+def _result_dtype(op, tensors, scalars, op_name) -> dtypes.DType:
+    if op.promotion == "where":
+        tensors, scalars = tensors[1:], scalars
+    if tensors:
+        result = tensors[0].dtype
+        for tensor in tensors[1:]:
+            result = dtypes.promote(result, tensor.dtype)
+        for value in scalars:
+            result = dtypes.promote_scalar(result, value)
+    else:
+        result = dtypes.scalar_dtype(scalars[0])
+        for value in scalars[1:]:
+            result = dtypes.promote_scalar(result, value)
+    if op.promotion == "int_to_float" and not result.is_float:
+        result = dtypes.DEFAULT_FLOAT
+    if not op.accepts(result.category):
+        shown = ", ".join(_describe(value) for value in (*tensors, *scalars))
+        raise TypeError(f"{op_name}: not defined for {result.name} (inputs: {shown})")
+    return result
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"{value.dtype.name}{list(value.shape)}"
+    return repr(value)
+
+
+def _common_backend(op_name, tensors) -> str:
+    if not tensors:
+        return get_backend()
+    first = tensors[0].backend
+    for tensor in tensors[1:]:
+        if tensor.backend != first:
+            raise ValueError(
+                f"{op_name}: tensors on different backends ({first} and {tensor.backend}); "
+                "create them under the same flame.backend(...)"
+            )
+    return first
+
+
+def _lift(value, dtype, shape, site) -> Node:
+    if isinstance(value, Tensor):
+        node = value.node
+        if node.dtype is not dtype:
+            node = make_node("cast", (node,), {"dtype": dtype}, site)
+    else:
+        node = make_const(value, dtype, site)
+    if node.shape != shape:
+        node = make_node("expand", (node,), {"shape": shape}, site)
+    return node
+
+
+def apply(op_name: str, *operands, **attrs) -> Tensor:
+    """Build ``op_name`` over tensors and Python numbers, with promotion and broadcasting."""
+    op = get_op(op_name)
+    site = user_site()
+    tensors, scalars = [], []
+    for value in operands:
+        if isinstance(value, Tensor):
+            tensors.append(value)
+        elif isinstance(value, _NUMBER_TYPES):
+            scalars.append(value)
+        else:
+            raise _operand_error(op_name, value)
+    backend_name = _common_backend(op_name, tensors)
+    try:
+        shape = broadcast_shapes(op_name, *(t.shape for t in tensors)) if tensors else ()
+        if op.promotion == "where":
+            condition, *values = operands
+            if isinstance(condition, Tensor) and not condition.dtype.is_bool:
+                raise TypeError(f"where: the condition must be bool, got {condition.dtype.name}")
+            dtype = _where_dtype(op, values, op_name)
+            inputs = [_lift(condition, dtypes.bool_, shape, site)]
+            inputs += [_lift(value, dtype, shape, site) for value in values]
+        elif op.promotion == "none":
+            inputs = [tensors[0].node]
+        else:
+            dtype = _result_dtype(op, tensors, scalars, op_name)
+            inputs = [_lift(value, dtype, shape, site) for value in operands]
+        node = make_node(op_name, tuple(inputs), attrs, site)
+    except (ShapeError, TypeError, ValueError) as error:
+        if site is not None and "[at " not in str(error):
+            raise type(error)(f"{error} [at {site}]") from None
+        raise
+    return Tensor(node, backend_name)
+
+
+def _where_dtype(op, values, op_name):
+    tensors = [value for value in values if isinstance(value, Tensor)]
+    scalars = [value for value in values if not isinstance(value, Tensor)]
+    return _result_dtype(op, tensors, scalars, op_name)
+
+
+def clamp(x, min=None, max=None) -> Tensor:  # noqa: A002
+    """``min(max(x, min), max)``; NaN in ``x`` stays NaN, as in PyTorch."""
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    result = x
+    if min is not None:
+        result = apply("maximum", result, min)
+    if max is not None:
+        result = apply("minimum", result, max)
+    return result
+
+
+def realize(*tensors: Tensor) -> tuple[Tensor, ...] | Tensor:
+    """Realize several tensors in one schedule: work they share is computed once."""
+    by_backend: dict[str, list[Node]] = {}
+    for tensor in tensors:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"realize: expected flame.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_realized:
+            by_backend.setdefault(tensor.backend, []).append(tensor.node)
+    for backend_name, nodes in by_backend.items():
+        realize_nodes(backend_name, nodes)
+    return tensors[0] if len(tensors) == 1 else tensors

@@ -1,0 +1,1 @@
+"""Command-line tools: the `flame` command (`flame.tools.cli`) and what it runs."""
