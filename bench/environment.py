@@ -57,7 +57,8 @@ def probe_gpu() -> tuple[dict | None, str | None]:
 
         if torch.cuda.is_available():
             properties = torch.cuda.get_device_properties(0)
-            return {"name": properties.name, "multiprocessors": properties.multi_processor_count}, None
+            facts = {"name": properties.name, "multiprocessors": properties.multi_processor_count}
+            return facts, None
     except Exception:
         pass
     return None, reason

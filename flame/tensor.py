@@ -11,9 +11,9 @@ import numpy as np
 
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
-from flame.ir.infer import make_const, make_node
-from flame.ir.node import Node, user_site
-from flame.ir.ops import get_op
+from flame.ir.infer import make_const
+from flame.ir.node import Node, format_site, user_site
+from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
 _NUMBER_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
@@ -259,50 +259,84 @@ def _common_backend(op_name, tensors) -> str:
 
 
 def _lift(value, dtype, shape, site) -> Node:
+    """An operand as a node of ``dtype`` and ``shape``: cast and broadcast where needed."""
     if isinstance(value, Tensor):
         node = value.node
         if node.dtype is not dtype:
-            node = make_node("cast", (node,), {"dtype": dtype}, site)
+            node = Node("cast", (node,), (("dtype", dtype),), dtype, node.shape, site)
     else:
         node = make_const(value, dtype, site)
     if node.shape != shape:
-        node = make_node("expand", (node,), {"shape": shape}, site)
+        node = Node("expand", (node,), (("shape", shape),), dtype, shape, site)
     return node
 
 
 def apply(op_name: str, *operands, **attrs) -> Tensor:
-    """Build ``op_name`` over tensors and Python numbers, with promotion and broadcasting."""
-    op = get_op(op_name)
+    """Build ``op_name`` over tensors and Python numbers, with promotion and broadcasting.
+
+    The result type comes from the op's declared promotion; operands are cast and broadcast
+    by explicit ``cast``/``expand`` nodes, so every op node sees inputs of one shape. Errors
+    name the op, the operands and the user's line.
+    """
+    op = OPS.get(op_name) or get_op(op_name)
     site = user_site()
-    tensors, scalars = [], []
+    tensors = []
+    scalars = []
     for value in operands:
-        if isinstance(value, Tensor):
+        if type(value) is Tensor:
             tensors.append(value)
         elif isinstance(value, _NUMBER_TYPES):
             scalars.append(value)
+        elif isinstance(value, Tensor):
+            tensors.append(value)
         else:
-            raise _operand_error(op_name, value)
-    backend_name = _common_backend(op_name, tensors)
+            raise _with_site(_operand_error(op_name, value), site)
     try:
-        shape = broadcast_shapes(op_name, *(t.shape for t in tensors)) if tensors else ()
+        backend_name = _common_backend(op_name, tensors)
+        if len(tensors) == 1:
+            shape = tensors[0].node.shape
+        else:
+            shape = broadcast_shapes(op_name, *(t.node.shape for t in tensors)) if tensors else ()
         if op.promotion == "where":
-            condition, *values = operands
-            if isinstance(condition, Tensor) and not condition.dtype.is_bool:
-                raise TypeError(f"where: the condition must be bool, got {condition.dtype.name}")
-            dtype = _where_dtype(op, values, op_name)
-            inputs = [_lift(condition, dtypes.bool_, shape, site)]
-            inputs += [_lift(value, dtype, shape, site) for value in values]
+            inputs, dtype = _where_inputs(op, operands, shape, site)
         elif op.promotion == "none":
-            inputs = [tensors[0].node]
+            inputs = (tensors[0].node,)
+            dtype = dtypes.dtype(attrs["dtype"])
         else:
             dtype = _result_dtype(op, tensors, scalars, op_name)
-            inputs = [_lift(value, dtype, shape, site) for value in operands]
-        node = make_node(op_name, tuple(inputs), attrs, site)
+            inputs = tuple(_lift(value, dtype, shape, site) for value in operands)
+        if op.out_bool:
+            dtype = dtypes.bool_
+        if attrs:
+            _check_attrs(op, attrs)
+            attrs = tuple(sorted(attrs.items()))
+        else:
+            attrs = ()
     except (ShapeError, TypeError, ValueError) as error:
-        if site is not None and "[at " not in str(error):
-            raise type(error)(f"{error} [at {site}]") from None
-        raise
-    return Tensor(node, backend_name)
+        raise _with_site(error, site) from None
+    return Tensor(Node(op_name, inputs, attrs, dtype, shape, site), backend_name)
+
+
+def _with_site(error: Exception, site) -> Exception:
+    if site is None or "[at " in str(error):
+        return error
+    return type(error)(f"{error} [at {format_site(site)}]")
+
+
+def _check_attrs(op, attrs) -> None:
+    unknown = set(attrs) - set(op.attrs)
+    if unknown:
+        raise TypeError(f"{op.name}: unexpected argument(s) {', '.join(sorted(unknown))}")
+
+
+def _where_inputs(op, operands, shape, site):
+    condition, *values = operands
+    if isinstance(condition, Tensor) and not condition.dtype.is_bool:
+        raise TypeError(f"where: the condition must be bool, got {condition.dtype.name}")
+    dtype = _where_dtype(op, values, "where")
+    inputs = [_lift(condition, dtypes.bool_, shape, site)]
+    inputs += [_lift(value, dtype, shape, site) for value in values]
+    return tuple(inputs), dtype
 
 
 def _where_dtype(op, values, op_name):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from flame.codegen.spec import Arg, KernelSpec, c_literal
 from flame.ir import dtypes
 from flame.ir.graph import Group
-from flame.ir.node import Node
+from flame.ir.node import Node, format_site
 from flame.ir.ops import HELPERS, get_op
 from flame.ir.printer import format_type, format_value
 from flame.ir.shapes import contiguous_strides, prod
@@ -42,6 +42,7 @@ class _Operand:
     strides: tuple[int, ...]  # over the collapsed iteration space
     param: str = ""
     aligned: bool = True
+    generated: bool = False  # computed from the element index (rand, arange), not loaded
 
     @property
     def is_scalar(self) -> bool:
@@ -127,8 +128,8 @@ class _Lowering:
         output_strides = contiguous_strides(self.space)
         sizes, collapsed = collapse(self.space, [output_strides] + [s for _, s, _ in full])
         operands = [
-            _Operand(node, strides, aligned=aligned)
-            for (node, _, aligned), strides in zip(full, collapsed[1:])
+            _Operand(node, strides, aligned=aligned, generated=position >= len(self.reads))
+            for position, ((node, _, aligned), strides) in enumerate(zip(full, collapsed[1:]))
         ]
         return sizes, operands
 
@@ -141,7 +142,7 @@ def _choose_vec(sizes, operands, outputs) -> int:
         return 1
     flat = contiguous_strides(sizes)
     for operand in operands:
-        if operand.strides == flat and operand.node.op not in INDEX_LEAVES and not operand.aligned:
+        if operand.strides == flat and not operand.generated and not operand.aligned:
             return 1
     if len(sizes) > 1 and sizes[-1] % vec != 0:
         return 1
@@ -180,7 +181,7 @@ class _Writer:
         read_index = {id(node): position for position, node in enumerate(reads)}
         for position, operand in enumerate(self.operands):
             operand.param = f"in{position}"
-            if operand.node.op not in INDEX_LEAVES:
+            if not operand.generated:
                 ctype = f"const {operand.node.dtype.c_storage}* __restrict__"
                 self.params.append(Arg("in", ctype, operand.param, operand=read_index[id(operand.node)]))
         self.params.append(Arg("size", self.index, "n", numel))
@@ -227,7 +228,7 @@ class _Writer:
     def _read(self, operand):
         node, name = operand.node, f"v{len(self.values)}"
         ctype = node.dtype.c_compute
-        if node.op in INDEX_LEAVES:
+        if operand.generated:
             self._generate(operand, name)
             return
         pointer = operand.param
@@ -364,7 +365,7 @@ def _header(group: Group) -> tuple[str, ...]:
         arguments += [f"{key}={format_value(value)}" for key, value in node.attrs]
         text = f"{names[id(node)]}: {format_type(node)} = {node.op}({', '.join(arguments)})"
         if node.site is not None:
-            text = text.ljust(48) + f"  # {node.site}"
+            text = text.ljust(48) + f"  # {format_site(node.site)}"
         lines.append(text)
     lines.append("writes " + ", ".join(names[id(node)] for node in group.outputs))
     return tuple(lines)

@@ -59,11 +59,17 @@ def make_node(op_name: str, inputs: tuple, attrs: dict | None = None, site=None)
 
 
 def make_const(value, dtype: dtypes.DType, site=None):
-    """A scalar constant, its value stored as the dtype holds it (so 0.1 in float16 is the
-    float16 nearest 0.1, the same number the kernel will use)."""
+    """A scalar constant. Floats keep the Python value (kernels and the reference round it
+    to the dtype when they use it); integers must fit the dtype."""
     from flame.ir.node import Node
 
-    value = dtype.numpy.type(value).item() if not dtype.is_bool else bool(value)
     if dtype.is_float:
         value = float(value)
+    elif dtype.is_bool:
+        value = bool(value)
+    else:
+        value = int(value)
+        limit = 2 ** (8 * dtype.itemsize - 1)
+        if not -limit <= value < limit:
+            raise ValueError(f"the scalar {value} does not fit {dtype.name}")
     return Node("const", (), (("value", value),), dtype, (), site)

@@ -21,24 +21,11 @@ from flame.ir.dtypes import DType
 _FLAME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class Site(tuple):
-    """Where a node was built: the first frame outside the FLAME package."""
+Site = tuple  # (filename, line): where a node was built, the first frame outside FLAME
 
-    __slots__ = ()
 
-    def __new__(cls, filename: str, line: int):
-        return tuple.__new__(cls, (filename, line))
-
-    @property
-    def filename(self) -> str:
-        return self[0]
-
-    @property
-    def line(self) -> int:
-        return self[1]
-
-    def __str__(self) -> str:
-        return f"{os.path.basename(self[0])}:{self[1]}"
+def format_site(site) -> str:
+    return f"{os.path.basename(site[0])}:{site[1]}"
 
 
 def user_site() -> Site | None:
@@ -47,7 +34,7 @@ def user_site() -> Site | None:
         frame = frame.f_back
     if frame is None:
         return None
-    return Site(frame.f_code.co_filename, frame.f_lineno)
+    return (frame.f_code.co_filename, frame.f_lineno)
 
 
 class Node:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flame.ir.graph import Graph, is_input
-from flame.ir.node import Node
+from flame.ir.node import Node, format_site
 
 
 def format_type(node: Node) -> str:
@@ -43,7 +43,7 @@ def format_graph(graph: Graph, comment_width: int = 44) -> str:
         if id(node) in group_of:
             notes.append(f"k{group_of[id(node)]}")
         if node.site is not None:
-            notes.append(str(node.site))
+            notes.append(format_site(node.site))
         if notes:
             text = text.ljust(comment_width) + "  # " + " ".join(notes)
         lines.append(text)

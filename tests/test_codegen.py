@@ -1,0 +1,113 @@
+"""Codegen: kernel sources, shape classes, vectorisation, NVRTC (CPU tier, no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flame as fl
+from flame.codegen.elementwise import lower_elementwise
+from flame.codegen.render import code_key, render
+from flame.ir.graph import Graph
+from flame.ir.passes import run_pipeline
+from flame.runtime.compiler import KernelCache, KernelCompileError, nvrtc_compile
+from flame.runtime.cache import DiskCache
+from flame.runtime.executor import _layout_of
+
+
+def kernels_for(*tensors):
+    graph = run_pipeline(Graph(tuple(t.node for t in tensors)))
+    return [lower_elementwise(group, _layout_of) for group in graph.groups]
+
+
+def data(shape, dtype=np.float32, seed=0):
+    return fl.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def source_of(tensor):
+    (kernel,) = kernels_for(tensor)
+    return render(kernel.spec), kernel
+
+
+def test_kernel_starts_with_its_ir_and_user_lines():
+    x = data((64, 128))
+    source, kernel = source_of(fl.tanh(x) * 2.0)
+    header = source.split("extern")[0]
+    assert header.startswith(f"// FLAME kernel {kernel.spec.name}")
+    assert "tanh(in0)" in header
+    assert "test_codegen.py:" in header
+
+
+def test_new_sizes_reuse_the_same_source():
+    def expression(rows, cols):
+        x, b = data((rows, cols)), data((cols,), seed=1)
+        return fl.gelu(x + b, approximate="tanh")
+
+    first, _ = source_of(expression(64, 128))
+    second, _ = source_of(expression(256, 512))
+    assert code_key(first) == code_key(second)
+
+
+def test_broadcast_pattern_and_dtype_change_the_source():
+    x = data((64, 128))
+    row, column = data((128,), seed=1), data((64, 1), seed=2)
+    keys = {
+        code_key(source_of(x + row)[0]),
+        code_key(source_of(x + column)[0]),
+        code_key(source_of(x.half() + row.half())[0]),
+    }
+    assert len(keys) == 3
+
+
+def test_moving_a_user_line_does_not_change_the_code_key():
+    x = data((8, 8))
+    first = source_of(x.exp())[0]
+    second = source_of(x.exp())[0]  # built on another line
+    assert first != second
+    assert code_key(first) == code_key(second)
+
+
+def test_contiguous_float32_uses_16_byte_vectors_and_odd_sizes_a_tail():
+    even_source, even = source_of(data((1024,)).exp())
+    odd_source, odd = source_of(data((1023,)).exp())
+    # one kernel serves both sizes: a vector loop, then a scalar loop for n % 4 elements
+    assert even.spec.vec == odd.spec.vec == 4 and odd.spec.tail
+    assert code_key(even_source) == code_key(odd_source)
+    _, ragged = source_of(data((7, 13)) + data((13,), seed=1))
+    assert ragged.spec.vec == 1
+
+
+def test_contiguous_inputs_collapse_to_one_dimension():
+    _, kernel = source_of(data((8, 16, 32)) * data((8, 16, 32), seed=1))
+    sizes = [arg for arg in kernel.spec.params if arg.kind in ("size", "stride")]
+    assert [arg.name for arg in sizes] == ["n"]
+
+
+def test_generated_kernels_compile_with_nvrtc():
+    x, b = data((64, 128)), data((128,), seed=1)
+    y = fl.randn(64, 128, seed=3).half()
+    for kernel in kernels_for(fl.gelu(x * 1.5 + b, approximate="tanh") * x.sigmoid(), y):
+        cubin = nvrtc_compile(render(kernel.spec), kernel.spec.name, "sm_90")
+        assert cubin[:4] == b"\x7fELF"
+
+
+def test_failed_compile_names_the_kernel_and_shows_log_and_source():
+    source = 'extern "C" __global__ void broken_kernel(float* x) { x[0] = undefined_name; }'
+    with pytest.raises(KernelCompileError) as caught:
+        nvrtc_compile(source, "broken_kernel", "sm_90")
+    message = str(caught.value)
+    assert "broken_kernel" in message
+    assert "undefined_name" in message  # the NVRTC log
+    assert "x[0] = undefined_name" in message  # the source
+
+
+def test_kernel_cache_hits_memory_then_disk(tmp_path):
+    _, kernel = source_of(data((32,)).sin())
+    source = render(kernel.spec)
+    first = KernelCache(DiskCache(tmp_path), arch="sm_90")
+    key, cubin = first.cubin(source, kernel.spec.name)
+    first.cubin(source, kernel.spec.name)
+    assert (first.stats.compiles, first.stats.memory_hits) == (1, 1)
+    second = KernelCache(DiskCache(tmp_path), arch="sm_90")
+    assert second.cubin(source, kernel.spec.name) == (key, cubin)
+    assert (second.stats.compiles, second.stats.disk_hits) == (0, 1)

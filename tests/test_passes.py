@@ -1,0 +1,148 @@
+"""Passes, printer and verifier on small graphs (CPU tier, no GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flame as fl
+from flame.ir.graph import Graph
+from flame.ir.node import Node
+from flame.ir.passes import run_pipeline
+from flame.ir.passes.cse import cse
+from flame.ir.passes.fuse import RECOMPUTE_LIMIT, fuse
+from flame.ir.passes.simplify import simplify
+from flame.ir.verify import VerifyError, verify
+from flame.runtime.reference import evaluate
+
+
+def buffer(shape=(4, 8), dtype=np.float32, seed=0):
+    return fl.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def ops_of(graph):
+    return [node.op for node in graph.nodes if not node.op == "buffer"]
+
+
+def test_cse_merges_identical_subexpressions():
+    x = buffer()
+    y = (x.exp() + 1) * (x.exp() + 1)
+    graph = cse(Graph((y.node,)))
+    assert ops_of(graph).count("exp") == 1
+    assert ops_of(graph).count("add") == 1
+    expected = (np.exp(x.numpy()) + 1) ** 2
+    np.testing.assert_allclose(evaluate(graph.outputs)[0], expected, rtol=1e-5)
+
+
+def test_cse_keeps_distinct_buffers_apart():
+    a, b = buffer(seed=0), buffer(seed=0)  # equal contents, two arrays
+    graph = cse(Graph(((a + b).node,)))
+    assert len(graph.inputs) == 2
+
+
+def test_simplify_folds_constants_and_drops_identities():
+    x = buffer()
+    y = (x * 1) / 1 - 0
+    z = fl.full((4, 8), 2.0) * 3.0 + x
+    graph = simplify(Graph((y.node, z.node)))
+    assert graph.outputs[0] is x.node
+    assert "mul" not in ops_of(Graph((graph.outputs[1],)))
+    folded = [node for node in graph.nodes if node.op == "const"]
+    assert [node.attr("value") for node in folded] == [6.0]
+
+
+def test_simplify_keeps_float_add_zero_and_mul_zero():
+    # x + 0.0 turns -0.0 into 0.0 and x * 0 is not 0 for inf/NaN: both must stay.
+    x = buffer()
+    graph = simplify(Graph(((x + 0.0).node, (x * 0.0).node)))
+    assert [node.op for node in graph.outputs] == ["add", "mul"]
+
+
+def test_simplify_integer_add_zero():
+    x = fl.from_numpy(np.arange(6, dtype=np.int32))
+    graph = simplify(Graph(((x + 0).node,)))
+    assert graph.outputs[0] is x.node
+
+
+def test_pow_two_becomes_multiply():
+    x = buffer()
+    graph = simplify(Graph(((x**2).node,)))
+    assert graph.outputs[0].op == "mul"
+
+
+def test_fusion_makes_one_kernel_for_a_chain_with_broadcast():
+    x = buffer((64, 32))
+    b = buffer((32,), seed=1)
+    y = fl.gelu(x * 1.5 + b, approximate="tanh") * x.sigmoid() - 0.5 * x * x
+    graph = run_pipeline(Graph((y.node,)), verify_each=True)
+    assert len(graph.groups) == 1
+    assert graph.groups[0].outputs == graph.outputs
+
+
+def test_fusion_writes_shared_values_once_in_one_kernel():
+    x = buffer()
+    shared = x.exp()
+    first, second = shared + 1, shared * 2
+    graph = run_pipeline(Graph((shared.node, first.node, second.node)))
+    assert len(graph.groups) == 1
+    assert len(graph.groups[0].outputs) == 3
+    assert sum(node.op == "exp" for node in graph.groups[0].nodes) == 1
+
+
+def test_fusion_materializes_large_broadcast_computations():
+    x = buffer((16, 8))
+    row = buffer((8,), seed=1)
+    for _ in range(RECOMPUTE_LIMIT + 2):
+        row = row.tanh()
+    graph = fuse(Graph(((x + row).node,)))
+    assert len(graph.groups) == 2
+    first, second = graph.groups
+    assert first.outputs[0].shape == (8,)
+    assert "recomputed" in first.reasons[0]
+    assert any(child is first.outputs[0] for node in second.nodes for child in node.inputs)
+
+
+def test_fusion_recomputes_small_broadcast_computations():
+    x = buffer((16, 8))
+    row = buffer((8,), seed=1).exp()
+    graph = fuse(Graph(((x + row).node,)))
+    assert len(graph.groups) == 1
+
+
+def test_outputs_of_different_shapes_get_one_kernel_each_in_order():
+    row = buffer((8,)).exp()
+    x = buffer((16, 8), seed=2)
+    graph = run_pipeline(Graph((row.node, (x + row).node)))
+    assert [group.outputs[0].shape for group in graph.groups] == [(8,), (16, 8)]
+    # the larger kernel reads the realized row instead of recomputing it
+    assert not any(node.op == "exp" for node in graph.groups[1].nodes)
+
+
+def test_pipeline_preserves_values():
+    x, y = buffer(), buffer(seed=3)
+    z = ((x * 1 + y) * (x * 1 + y)).tanh() - fl.full((4, 8), 1.0) * 2
+    before = evaluate([z.node])[0]
+    after = run_pipeline(Graph((z.node,)))
+    np.testing.assert_allclose(evaluate(after.outputs)[0], before, rtol=1e-6)
+
+
+def test_printer_is_deterministic_and_names_by_position():
+    def build():
+        x = fl.from_numpy(np.ones((2, 3), np.float32))
+        return (x.exp() + 1.0).node
+
+    first, second = str(Graph((build(),))), str(Graph((build(),)))
+    assert first == second
+    assert first.splitlines()[0] == "graph f(%0: f32[2,3]) {"
+    assert "exp(%0)" in first
+    assert "test_passes.py:" in first  # each line names the user's line
+
+
+def test_verifier_rejects_a_node_that_disagrees_with_its_rule():
+    x = buffer()
+    wrong = Node("exp", (x.node,), (), fl.int32, x.shape)
+    with pytest.raises(VerifyError, match="exp"):
+        verify(Graph((wrong,)))
+    bad_shape = Node("add", (x.node, buffer((8,)).node), (), fl.float32, (4, 8))
+    with pytest.raises(Exception, match="add"):
+        verify(Graph((bad_shape,)))
