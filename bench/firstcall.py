@@ -25,13 +25,15 @@ def parse_arguments(argv=None):
     return parser.parse_args(argv)
 
 
-def create_cuda_context(backend: str):
+def create_cuda_context(backend: str, stamps: dict):
+    """Stamps ``cupy_imported`` (FLAME may have imported it already) and ``context``."""
     if backend == "reference":
-        return None
+        return
     import cupy
 
+    stamps["cupy_imported"] = time.time()
     cupy.cuda.runtime.free(0)  # cudaFree(0): the usual way to force the context into being
-    return time.time()
+    stamps["context"] = time.time()
 
 
 def main(argv=None):
@@ -40,7 +42,7 @@ def main(argv=None):
 
     stamps = {"spawned": arguments.spawned, "started": STARTED, "imported": time.time()}
     stamps["flame_version"] = getattr(flame, "__version__", "unknown")
-    stamps["context"] = create_cuda_context(arguments.backend)
+    create_cuda_context(arguments.backend, stamps)
 
     import numpy
 

@@ -6,6 +6,7 @@ runners, and the harness imports ``workloads``.
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def compile_time(session, workload) -> dict:
         "cold": cold,
         "warm": warm,
         "cache_files_after_cold": cache_files,
-        "elements": workload.shapes(session.options.quick)[0],
+        "elements": math.prod(workload.shapes(session.options.quick)[0]),
     }
 
 
@@ -98,7 +99,8 @@ def phases(stamps: dict) -> dict:
     return {
         "python_start_ms": between("spawned", "started"),
         "import_flame_ms": between("started", "imported"),
-        "cuda_context_ms": between("imported", "context"),
+        "import_cupy_ms": between("imported", "cupy_imported"),
+        "cuda_context_ms": between("cupy_imported", "context"),
         "inputs_ms": between(context_end, "inputs"),
         "first_result_ms": between("inputs", "first_result"),
         "second_call_ms": between("first_result", "second_result"),

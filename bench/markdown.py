@@ -162,6 +162,7 @@ def compile_lines(report: dict) -> list[str]:
         "FLAME cache",
         "python start",
         "import flame",
+        "import cupy",
         "CUDA context",
         "inputs",
         "first result",
@@ -171,6 +172,7 @@ def compile_lines(report: dict) -> list[str]:
     keys = (
         "python_start_ms",
         "import_flame_ms",
+        "import_cupy_ms",
         "cuda_context_ms",
         "inputs_ms",
         "first_result_ms",
