@@ -3,7 +3,7 @@ declared in the registry; this module adds only PyTorch's argument names and che
 
 from __future__ import annotations
 
-from flame.tensor import Tensor, apply, clamp
+from flame.tensor import Tensor, apply, clamp, fast_apply
 
 UNARY = (
     "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu floor ceil round "
@@ -17,7 +17,7 @@ BINARY = (
 
 def _unary(name):
     def function(x):
-        return apply(name, x)
+        return fast_apply(name, x, arity=1)
 
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Elementwise ``{name}`` (see the op registry)."
@@ -26,7 +26,7 @@ def _unary(name):
 
 def _binary(name):
     def function(x, other):
-        return apply(name, x, other)
+        return fast_apply(name, x, other)
 
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Elementwise ``{name}`` with broadcasting and type promotion."

@@ -175,7 +175,7 @@ class Tensor:
 
     # --- operators ---------------------------------------------------------------------------
     def __neg__(self):
-        return apply("neg", self)
+        return fast_apply("neg", self, arity=1)
 
     def __pos__(self):
         return self
@@ -191,10 +191,47 @@ def _numpy_dlpack_args(kwargs):
     return {key: value for key, value in kwargs.items() if key in ("max_version", "copy")}
 
 
+def fast_apply(op_name: str, first, second=None, arity: int = 2):
+    """``apply`` for the common cases (one float/int dtype, equal shapes, or a tensor with a
+    Python number that does not change its dtype), which need no promotion, cast or
+    broadcast. Anything else falls through to ``apply``, which also does the error reporting.
+    Graph building is the host cost of lazy mode, so this path is kept short."""
+    op = OPS[op_name]
+    if arity == 1:
+        if type(first) is Tensor:
+            node = first.node
+            dtype = node.dtype
+            if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
+                site = user_site()
+                return Tensor(Node(op_name, (node,), (), dtype, node.shape, site), first.backend)
+        return apply(op_name, first)
+    tensor = first if type(first) is Tensor else second
+    other = second if tensor is first else first
+    if type(tensor) is Tensor and op.promotion in ("default", "always_bool", "int_to_float"):
+        node = tensor.node
+        dtype = node.dtype
+        if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
+            kind = type(other)
+            other_node = None
+            if kind is Tensor:
+                candidate = other.node
+                if (candidate.dtype is dtype and candidate.shape == node.shape
+                        and other.backend == tensor.backend):  # fmt: skip
+                    other_node = candidate
+            elif (kind is float and dtype.is_float) or (kind is int and dtype.is_float):
+                other_node = Node("const", (), (("value", float(other)),), dtype, (), None)
+            if other_node is not None:
+                site = user_site()
+                inputs = (node, other_node) if tensor is first else (other_node, node)
+                out = dtypes.bool_ if op.out_bool else dtype
+                return Tensor(Node(op_name, inputs, (), out, node.shape, site), tensor.backend)
+    return apply(op_name, first, second)
+
+
 def _binary_operator(op_name: str, reflected: bool = False):
     if reflected:
-        return lambda self, other: apply(op_name, other, self)
-    return lambda self, other: apply(op_name, self, other)
+        return lambda self, other: fast_apply(op_name, other, self)
+    return lambda self, other: fast_apply(op_name, self, other)
 
 
 for _dunder, _op in (
@@ -265,7 +302,7 @@ def _lift(value, dtype, shape, site) -> Node:
         if node.dtype is not dtype:
             node = Node("cast", (node,), (("dtype", dtype),), dtype, node.shape, site)
     else:
-        node = make_const(value, dtype, site)
+        return make_const(value, dtype, site)  # scalars broadcast implicitly
     if node.shape != shape:
         node = Node("expand", (node,), (("shape", shape),), dtype, shape, site)
     return node

@@ -24,6 +24,7 @@ from flame.ir.printer import format_type, format_value
 from flame.ir.shapes import contiguous_strides, prod
 
 VECTOR_BYTES = 16
+MAX_VEC = 4
 BLOCK = 256
 INDEX_LEAVES = ("rand", "randn", "arange")
 
@@ -137,7 +138,7 @@ class _Lowering:
 def _choose_vec(sizes, operands, outputs) -> int:
     itemsizes = [op.node.dtype.itemsize for op in operands] + [o.dtype.itemsize for o in outputs]
     vec = max(1, VECTOR_BYTES // max(itemsizes))
-    vec = min(vec, 4)
+    vec = min(vec, MAX_VEC)
     if not sizes:
         return 1
     flat = contiguous_strides(sizes)

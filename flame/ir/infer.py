@@ -30,11 +30,16 @@ def infer(op_name: str, inputs, attrs: dict) -> tuple[dtypes.DType, tuple[int, .
     raise TypeError(f"{op_name}: a leaf is built directly, not inferred")
 
 
+def is_scalar_const(node) -> bool:
+    """Scalar constants are the one implicit broadcast in the IR: ``mul(%x, 1.5)``."""
+    return node.op == "const" and node.shape == ()
+
+
 def _infer_elementwise(op, inputs, attrs):
-    shape = inputs[0].shape
-    for node in inputs[1:]:
-        if node.shape != shape:
-            raise ShapeError(f"{op.name}: inputs must share one shape, got {_describe(inputs)}")
+    shapes = {node.shape for node in inputs if not is_scalar_const(node)}
+    if len(shapes) > 1:
+        raise ShapeError(f"{op.name}: inputs must share one shape, got {_describe(inputs)}")
+    shape = shapes.pop() if shapes else ()
     if op.name == "cast":
         return dtypes.dtype(attrs["dtype"]), shape
     operands = inputs[1:] if op.name == "where" else inputs

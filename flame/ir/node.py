@@ -62,15 +62,20 @@ class Node:
         self.shape = shape
         self.site = site
         self.buffer = None
-        self._hash = hash((op, attrs, dtype.name, shape, *[node._hash for node in inputs]))
+        self._hash = None  # computed on first use: building a graph should not pay for it
 
     def __hash__(self) -> int:
+        if self._hash is None:
+            for node in toposort((self,), stop=lambda n: n._hash is not None):
+                if node._hash is None:
+                    children = [child._hash for child in node.inputs]
+                    node._hash = hash((node.op, node.attrs, node.dtype.name, node.shape, *children))
         return self._hash
 
     def __eq__(self, other) -> bool:
         if self is other:
             return True
-        if not isinstance(other, Node) or self._hash != other._hash:
+        if not isinstance(other, Node) or hash(self) != hash(other):
             return False
         # Iterative, so that two long identical chains do not exhaust the recursion limit.
         stack = [(self, other)]
@@ -85,7 +90,7 @@ class Node:
 
     def _same_local(self, other: Node) -> bool:
         return (
-            self._hash == other._hash
+            hash(self) == hash(other)
             and self.op == other.op
             and self.dtype is other.dtype
             and self.shape == other.shape

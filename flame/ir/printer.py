@@ -25,17 +25,22 @@ def format_graph(graph: Graph, comment_width: int = 44) -> str:
     params = []
     for node in graph.nodes:
         if is_input(node):
-            names[id(node)] = f"%{len(names)}"
+            names[id(node)] = f"%{len(params)}"
             params.append(f"{names[id(node)]}: {format_type(node)}")
     group_of = {}
     for index, group in enumerate(graph.groups or ()):
         for node in group.nodes:
             group_of[id(node)] = index
     lines = [f"graph {graph.name}({', '.join(params)}) {{"]
+    count = len(params)
     for node in graph.nodes:
         if is_input(node):
             continue
-        names[id(node)] = f"%{len(names)}"
+        if node.op == "const" and node.shape == ():  # printed inline, as its value
+            names[id(node)] = format_value(node.attr("value"))
+            continue
+        names[id(node)] = f"%{count}"
+        count += 1
         arguments = [names[id(child)] for child in node.inputs]
         arguments += [f"{key}={format_value(value)}" for key, value in node.attrs]
         text = f"  {names[id(node)]}: {format_type(node)} = {node.op}({', '.join(arguments)})"

@@ -13,13 +13,20 @@ from flame.ir import dtypes
 
 
 class Storage:
-    __slots__ = ("backend", "dtype", "array", "host", "__weakref__")
+    __slots__ = ("backend", "dtype", "array", "host", "_layout", "__weakref__")
 
     def __init__(self, backend: str, dtype: dtypes.DType, array=None, host=None):
         self.backend = backend
         self.dtype = dtype
         self.array = array
         self.host = host
+        self._layout = None
+
+    def layout(self) -> tuple:
+        """(strides, aligned): what a kernel's code depends on, computed once."""
+        if self._layout is None:
+            self._layout = (self.strides(), self.aligned())
+        return self._layout
 
     def device_array(self):
         """The CuPy array, copying host data to the GPU on first use."""

@@ -18,7 +18,7 @@ The rules:
 
 from __future__ import annotations
 
-import networkx as nx
+import graphlib
 
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
@@ -79,18 +79,24 @@ def _members(roots: list[Node], materialized: dict[int, Node]) -> list[Node]:
 def _order_groups(groups: list[Group], materialized: dict[int, Node]) -> list[Group] | None:
     """Kernels in dependency order, or None when merging made a cycle."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
-    dependencies = nx.DiGraph()
-    dependencies.add_nodes_from(range(len(groups)))
+    # graphlib (stdlib) rather than networkx: this runs on every new plan, and importing
+    # networkx costs about a second in a fresh process.
+    dependencies = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
     for index, group in enumerate(groups):
         for node in group.nodes:
             for child in node.inputs:
                 source = producer.get(id(child))
                 if source is not None and source != index and id(child) in materialized:
-                    dependencies.add_edge(source, index)
+                    dependencies.add(index, source)
     try:
-        order = list(nx.lexicographical_topological_sort(dependencies))
-    except nx.NetworkXUnfeasible:
+        dependencies.prepare()
+    except graphlib.CycleError:
         return None
+    order = []
+    while dependencies.is_active():
+        ready = sorted(dependencies.get_ready())  # deterministic: lowest group first
+        order.extend(ready)
+        dependencies.done(*ready)
     return [groups[index] for index in order]
 
 
