@@ -37,6 +37,17 @@ def timed(function, repeats):
 
 
 def main() -> None:
+    from flame.runtime.device import gpu_available, gpu_unavailable_reason
+
+    if gpu_available():
+        run()
+    else:
+        print(f"no GPU ({gpu_unavailable_reason()}): running on the reference backend")
+        with fl.backend("reference"):
+            run()
+
+
+def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--elements", type=int, default=1 << 26)
     parser.add_argument("--repeats", type=int, default=20)

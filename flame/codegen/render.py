@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from pathlib import Path
-
-import jinja2
 
 from flame.codegen.spec import KernelSpec
 
@@ -23,7 +22,9 @@ def template_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def environment() -> jinja2.Environment:
+def environment():
+    import jinja2  # imported on first render: a warm-cache start never renders
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
@@ -50,3 +51,20 @@ def code_key(source: str) -> str:
     while start < len(lines) and lines[start].startswith("//"):
         start += 1
     return hashlib.sha256("\n".join(lines[start:]).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _templates_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(template_dir().glob("*.j2")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def spec_key(spec: KernelSpec) -> str:
+    """A key that identifies the rendered code without rendering it: every field of the spec
+    but its comment header, plus the templates' contents. A warm start looks kernels up by
+    this key and never loads Jinja2."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "header"}
+    text = repr(sorted(fields.items())) + _templates_digest()
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -70,12 +70,16 @@ class KernelCache:
         self._cubins: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def key(self, source: str) -> str:
+    def key(self, code: str) -> str:
+        """``code``: the rendered source, or a key that stands for it (``spec_key``)."""
         arch = self.arch or target_arch()
-        return DiskCache.key(code_key(source), arch, nvrtc_version(), " ".join(OPTIONS), __version__)
+        identity = code_key(code) if "\n" in code else code
+        return DiskCache.key(identity, arch, nvrtc_version(), " ".join(OPTIONS), __version__)
 
-    def cubin(self, source: str, name: str) -> tuple[str, bytes]:
-        key = self.key(source)
+    def cubin(self, source, name: str, code_identity: str | None = None) -> tuple[str, bytes]:
+        """The cubin for ``source`` (a string, or a function that renders it only when it
+        must be compiled); ``code_identity`` keys it without rendering."""
+        key = self.key(code_identity if code_identity is not None else self._text(source))
         with self._lock:
             cached = self._cubins.get(key)
             if cached is not None:
@@ -85,7 +89,7 @@ class KernelCache:
         data = self.disk.get(key)
         origin = "disk"
         if data is None:
-            data = nvrtc_compile(source, name, self.arch or target_arch())
+            data = nvrtc_compile(self._text(source), name, self.arch or target_arch())
             self.disk.put(key, data)
             origin = "compiled"
         elapsed = time.perf_counter() - start
@@ -99,8 +103,12 @@ class KernelCache:
             self.stats.events.append((name, origin, elapsed))
         return key, data
 
+    @staticmethod
+    def _text(source) -> str:
+        return source() if callable(source) else source
+
     def cubins(self, sources_and_names) -> list[tuple[str, bytes]]:
-        """Several kernels at once; NVRTC runs in parallel threads."""
+        """Several kernels at once, items as ``cubin``'s arguments; NVRTC runs in threads."""
         items = list(sources_and_names)
         if len(items) <= 1:
             return [self.cubin(source, name) for source, name in items]

@@ -8,6 +8,7 @@ already compiled, because sizes are kernel arguments.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flame.codegen.elementwise import lower_elementwise
-from flame.codegen.render import render
+from flame.codegen.render import render, spec_key
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
@@ -30,8 +31,7 @@ PLAN_CACHE_SIZE = 512
 
 @dataclass(frozen=True)
 class Launch:
-    name: str
-    source: str
+    spec: object  # the KernelSpec (render(spec) gives the source, for the dump)
     function: object
     grid: int
     block: int
@@ -144,11 +144,13 @@ class Executor:
                 slot_of[id(output)] = slot_count
                 slot_count += 1
             lowered_groups.append(lower_elementwise(group, _layout_of))
-        sources = [(render(low.spec), low.spec.name) for low in lowered_groups]
+        sources = [
+            (functools.partial(render, low.spec), low.spec.name, spec_key(low.spec))
+            for low in lowered_groups
+        ]
         functions = self._load(sources)
         launches = tuple(
-            _launch(low, source, function, slot_of)
-            for low, (source, _), function in zip(lowered_groups, sources, functions)
+            _launch(low, function, slot_of) for low, function in zip(lowered_groups, functions)
         )
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
         return Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
@@ -158,7 +160,7 @@ class Executor:
 
         results = self.kernels.cubins(sources)
         functions = []
-        for (key, cubin), (_, name) in zip(results, sources):
+        for (key, cubin), (_, name, _) in zip(results, sources):
             with self._lock:
                 function = self._functions.get(key)
                 if function is None:
@@ -182,7 +184,7 @@ def _layout_of(node: Node):
     return contiguous_strides(node.shape), True  # written by an earlier kernel of this plan
 
 
-def _launch(lowered, source, function, slot_of) -> Launch:
+def _launch(lowered, function, slot_of) -> Launch:
     spec = lowered.spec
     arguments = []
     for arg in spec.params:
@@ -197,7 +199,7 @@ def _launch(lowered, source, function, slot_of) -> Launch:
     blocks = max(1, min(-(-trip_count // spec.block), device_info().multiprocessors * BLOCKS_PER_SM))
     writes = tuple((slot_of[id(node)], position) for position, node in enumerate(lowered.outputs))
     shapes = tuple((node.shape, _cupy_dtype(node.dtype)) for node in lowered.outputs)
-    return Launch(spec.name, source, function, blocks, spec.block, tuple(arguments), writes, shapes)
+    return Launch(spec, function, blocks, spec.block, tuple(arguments), writes, shapes)
 
 
 def _cupy_dtype(dtype):
