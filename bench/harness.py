@@ -48,9 +48,13 @@ class Session:
         return self.systems[0]
 
     @property
+    def uses_gpu(self) -> bool:
+        return self.gpu is not None and self.options.backend != "reference"
+
+    @property
     def array_module(self):
         """Where the shared inputs live: CuPy on a GPU, NumPy for the reference backend."""
-        if self.gpu is not None and self.options.backend != "reference":
+        if self.uses_gpu:
             import cupy
 
             return cupy
@@ -58,7 +62,7 @@ class Session:
 
 
 def progress(message: str):
-    """Progress goes to stderr; stdout ends with the Markdown table alone."""
+    """Progress goes to stderr, so that stdout carries the Markdown report alone."""
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
@@ -66,10 +70,9 @@ def open_session(options: Options, scratch: Path) -> Session:
     gpu, gpu_reason = environment.probe_gpu()
     systems = discover_systems(options.backend, gpu, gpu_reason)
     session = Session(options, scratch, gpu, gpu_reason, systems)
-    use_gpu = gpu if options.backend != "reference" else None
     progress("copy bandwidth")
     try:
-        session.copy = timing.copy_bandwidth(use_gpu, options.quick, options.repeats)
+        session.copy = timing.copy_bandwidth(session.uses_gpu, options.quick, options.repeats)
     except Exception as error:
         session.copy_error = f"{type(error).__name__}: {error}"
     return session

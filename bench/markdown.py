@@ -179,13 +179,24 @@ def compile_lines(report: dict) -> list[str]:
         "process_start_to_first_result_ms",
         "second_call_ms",
     )
-    rows = [[name, *(number(flame[name].get(key)) for key in keys)] for name in ("cold", "warm")]
+    header.append("NVRTC compiles · disk hits")
+    rows = [
+        [name, *(number(flame[name].get(key)) for key in keys), cache_cell(flame[name])]
+        for name in ("cold", "warm")
+    ]
     title = (
         f"## compile_time: ew_chain's first call in a new process, ms "
         f"({flame['elements']} elements; cold: empty FLAME and CuPy caches, "
-        f"{flame['cache_files_after_cold']} files cached after it)"
+        f"{flame['cache_files_after_cold']} files cached after it; Python bytecode warm)"
     )
     return [title, "", *table(header, rows), ""]
+
+
+def cache_cell(phases: dict) -> str:
+    counts = phases.get("kernel_cache")
+    if not counts:
+        return DASH
+    return f"{counts['compiles']} ({number(counts['compile_ms'])} ms) · {counts['disk_hits']}"
 
 
 def correctness_lines(report: dict) -> list[str]:
@@ -213,6 +224,14 @@ def correctness_lines(report: dict) -> list[str]:
     return [title, "", *table(header, rows), ""]
 
 
+def one_line(text: str) -> str:
+    """First and last line of a long message (a child's traceback); bench.json has it all."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} … {lines[-1]}"
+
+
 def problem_lines(report: dict) -> list[str]:
     lines = []
     for key, system in report["systems"].items():
@@ -222,7 +241,7 @@ def problem_lines(report: dict) -> list[str]:
     for row in report["workloads"]:
         for key, entry in row["results"].items():
             if entry.get("status") == "error" and report["systems"][key]["available"]:
-                lines.append(f"- {row['name']} / {SYSTEM_LABELS[key]}: {entry['error']}")
+                lines.append(f"- {row['name']} / {SYSTEM_LABELS[key]}: {one_line(entry['error'])}")
         lines += [f"- {row['name']}: {warning}" for warning in row.get("warnings", [])]
     if not lines:
         return []

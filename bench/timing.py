@@ -98,9 +98,9 @@ def host_us(system, call, calls: int, repeats: int) -> dict:
     return {**summarize(samples, unit="us"), "calls_per_run": calls}
 
 
-def copy_bandwidth(gpu: dict | None, quick: bool, repeats: int) -> dict:
+def copy_bandwidth(on_gpu: bool, quick: bool, repeats: int) -> dict:
     """One large copy, read + write bytes counted; on the GPU through cudaMemcpyAsync."""
-    if gpu is not None:
+    if on_gpu:
         try:
             import cupy  # noqa: F401 (the CuPy path is the one FLAME itself uses)
 
