@@ -7,7 +7,7 @@ import pytest
 
 import flame as fl
 from flame.codegen.elementwise import lower_elementwise
-from flame.codegen.render import code_key, render
+from flame.codegen.render import code_key, render, spec_key
 from flame.ir.graph import Graph
 from flame.ir.passes import run_pipeline
 from flame.runtime.compiler import KernelCache, KernelCompileError, nvrtc_compile
@@ -43,9 +43,10 @@ def test_new_sizes_reuse_the_same_source():
         x, b = data((rows, cols)), data((cols,), seed=1)
         return fl.gelu(x + b, approximate="tanh")
 
-    first, _ = source_of(expression(64, 128))
-    second, _ = source_of(expression(256, 512))
+    first, first_kernel = source_of(expression(64, 128))
+    second, second_kernel = source_of(expression(256, 512))
     assert code_key(first) == code_key(second)
+    assert spec_key(first_kernel.spec) == spec_key(second_kernel.spec)
 
 
 def test_broadcast_pattern_and_dtype_change_the_source():
@@ -111,3 +112,17 @@ def test_kernel_cache_hits_memory_then_disk(tmp_path):
     second = KernelCache(DiskCache(tmp_path), arch="sm_90")
     assert second.cubin(source, kernel.spec.name) == (key, cubin)
     assert (second.stats.compiles, second.stats.disk_hits) == (0, 1)
+
+
+def test_kernel_cache_compiles_several_kernels_keyed_by_spec(tmp_path):
+    from functools import partial
+
+    from flame.codegen.render import spec_key
+
+    kernels = kernels_for(data((16,)).sin(), data((4, 4), seed=1).exp())
+    items = [(partial(render, k.spec), k.spec.name, spec_key(k.spec)) for k in kernels]
+    cache = KernelCache(DiskCache(tmp_path), arch="sm_90")
+    results = cache.cubins(items)
+    assert len({key for key, _ in results}) == 2 and cache.stats.compiles == 2
+    assert cache.cubins(items[:1]) == results[:1]  # one item takes the serial path
+    assert cache.stats.memory_hits == 1

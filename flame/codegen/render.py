@@ -66,5 +66,7 @@ def spec_key(spec: KernelSpec) -> str:
     but its comment header, plus the templates' contents. A warm start looks kernels up by
     this key and never loads Jinja2."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "header"}
+    # planned sizes and strides are launch arguments, not code
+    fields["params"] = [(arg.kind, arg.ctype, arg.name, arg.operand) for arg in spec.params]
     text = repr(sorted(fields.items())) + _templates_digest()
     return hashlib.sha256(text.encode()).hexdigest()

@@ -111,7 +111,7 @@ class KernelCache:
         """Several kernels at once, items as ``cubin``'s arguments; NVRTC runs in threads."""
         items = list(sources_and_names)
         if len(items) <= 1:
-            return [self.cubin(source, name) for source, name in items]
+            return [self.cubin(*item) for item in items]
         with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
             return list(pool.map(lambda item: self.cubin(*item), items))
 
