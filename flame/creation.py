@@ -76,7 +76,7 @@ def full(shape, fill_value, dtype=None) -> Tensor:
     shape = normalize_shape((shape,), "full")
     target = dtypes.dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
     site = user_site()
-    node = make_const(fill_value, target, site)
+    node = make_const(fill_value, target, site, round_to_dtype=True)
     if shape:
         node = make_node("expand", (node,), {"shape": shape}, site)
     return Tensor(node, get_backend())

@@ -256,8 +256,6 @@ def _operand_error(op_name: str, value) -> TypeError:
 
 
 def _result_dtype(op, tensors, scalars, op_name) -> dtypes.DType:
-    if op.promotion == "where":
-        tensors, scalars = tensors[1:], scalars
     if tensors:
         result = tensors[0].dtype
         for tensor in tensors[1:]:

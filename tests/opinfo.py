@@ -5,6 +5,9 @@ sense (``domains``: one ``(lo, hi)`` or ``(lo, hi, "nonzero")`` per input, ``(-3
 absent) and which attribute values to try (``attr_samples``). This module turns that into
 NumPy arrays and Python numbers, and builds the op through the public API, so every test of
 every op reads the one declaration.
+
+It also holds what the tests compare against: the promotion table of the documentation, and
+each op's NumPy semantics written independently of FLAME's own references (``SEMANTICS``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class OpCase:
         """One random array per input, of the given shapes, inside the op's domains."""
         return [
             sample_array(rng, shape, dtype, domain_of(self.op, position))
-            for position, (shape, dtype) in enumerate(zip(shapes, self.input_dtypes()))
+            for position, (shape, dtype) in enumerate(
+                zip(shapes, self.input_dtypes(), strict=False)
+            )
         ]
 
     def scalar(self, rng: np.random.Generator, position: int):
@@ -125,6 +130,58 @@ def tensors(arrays) -> list[fl.Tensor]:
     return [fl.from_numpy(np.ascontiguousarray(array)) for array in arrays]
 
 
+# Named input layouts for kernels: the inputs' shapes, and the shape the result is brought to
+# (a buffer is added on top when the op's own result is smaller, so it is read broadcast).
+VARIANTS = {
+    "odd": (lambda arity: [(7, 13)] * arity, (7, 13)),  # 91 elements: a vector tail
+    "broadcast": (lambda arity: [(4096,)] + [(64, 4096)] * (arity - 1), (64, 4096)),
+    "scalar": (lambda arity: [(7, 13)] * (arity - 1) + [()] if arity > 1 else [()], (7, 13)),
+    "large": (lambda arity: [(2**20 + 3,)] * arity, (2**20 + 3,)),
+}
+
+
+def variant_outputs(case: OpCase, variant: str, attrs, rng) -> list[fl.Tensor]:
+    """The op over inputs laid out as ``VARIANTS[variant]``, on the current backend; the
+    ``scalar`` variant adds a second output with a weak Python scalar as the last input."""
+    shapes_of, target = VARIANTS[variant]
+    arrays = case.arrays(rng, shapes_of(case.op.arity))
+    outputs = [build(case.op.name, tensors(arrays), attrs)]
+    if variant == "scalar" and case.op.arity > 1:
+        weak = tensors(arrays[:-1]) + [case.scalar(rng, case.op.arity - 1)]
+        outputs.append(build(case.op.name, weak, attrs))
+    if outputs[0].shape != target:
+        padding = np.zeros(target, outputs[0].dtype.numpy)
+        outputs[0] = outputs[0] + fl.from_numpy(padding)
+    return outputs
+
+
+# IEEE special values and signed zeros; no finite value whose result would overflow float32.
+SPECIAL_VALUES = (math.nan, math.inf, -math.inf, -0.0, 0.0, 0.5, -1.0, 2.5)
+
+
+def special_arrays(case: OpCase) -> list[np.ndarray]:
+    """Every special value (every pair of them, for binary ops) in ``case.dtype``."""
+    values = np.array(SPECIAL_VALUES)
+    if case.op.arity == 1:
+        grids = [values]
+    else:
+        grids = [grid.ravel() for grid in np.meshgrid(values, values, indexing="ij")]
+    arrays = [grid.astype(case.dtype.numpy) for grid in grids]
+    if case.op.name == "where":
+        condition = np.arange(arrays[0].size) % 3 == 0
+        arrays = [condition, *arrays]
+    return arrays
+
+
+def special_attr_samples(case: OpCase) -> tuple[dict, ...]:
+    """Attribute samples for special values: casts only to floats (C leaves NaN and
+    infinity converted to an integer undefined)."""
+    samples = case.attr_samples()
+    if case.op.name == "cast":
+        return tuple(s for s in samples if resolve_dtype(s["dtype"]).is_float)
+    return samples
+
+
 # --- the documented dtype rule ------------------------------------------------------------
 
 CATEGORY = {"bool": 0, "int32": 1, "int64": 1, "float16": 2, "bfloat16": 2, "float32": 2}
@@ -141,7 +198,7 @@ def documented_promotion() -> dict[tuple[str, str], str]:
     header, body = split[0][1:], split[2:]
     table = {}
     for cells in body:
-        for right, result in zip(header, cells[1:]):
+        for right, result in zip(header, cells[1:], strict=True):
             table[(cells[0], right)] = ABBREVIATIONS.get(result, result)
     return table
 
@@ -198,3 +255,109 @@ def compile_groups(nodes, arch: str = "sm_90"):
         source = render(spec)
         compiled.append((spec, source, nvrtc_compile(source, spec.name, arch)))
     return graph, compiled
+
+
+# --- NumPy semantics, independent of FLAME's references (PyTorch's meaning) -------------
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _gelu(x, approximate="none"):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+
+
+def _softplus(x, beta=1.0, threshold=20.0):
+    linear = x * beta > threshold
+    return np.where(linear, x, np.log1p(np.exp(np.where(linear, 0, beta * x))) / beta)
+
+
+def _integer_power(base, exponent):
+    """Integer powers as PyTorch computes them: a negative exponent gives 0, except for
+    bases 1 and -1 (C's integer division of 1 by the power)."""
+
+    def one(b, e):
+        if e >= 0:
+            return b**e
+        return 1 if b == 1 else ((-1) ** (-e) if b == -1 else 0)
+
+    return np.vectorize(one, otypes=[base.dtype])(base, exponent)
+
+
+def _logical_or_arithmetic(logical, arithmetic):
+    return lambda a, b: logical(a, b) if a.dtype == np.bool_ else arithmetic(a, b)
+
+
+SEMANTICS = {
+    "exp": np.exp,
+    "log": np.log,
+    "log1p": np.log1p,
+    "expm1": np.expm1,
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "sin": np.sin,
+    "cos": np.cos,
+    "tanh": np.tanh,
+    "sigmoid": lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
+    "silu": lambda x: x * 0.5 * (1 + np.tanh(0.5 * x)),
+    "reciprocal": lambda x: 1.0 / x,
+    "gelu": _gelu,
+    "softplus": _softplus,
+    "neg": np.negative,
+    "abs": lambda x: x if x.dtype == np.bool_ else np.abs(x),
+    "relu": lambda x: np.where(x > 0, x, 0),
+    "leaky_relu": lambda x, negative_slope=0.01: np.where(x > 0, x, x * negative_slope),
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "round": np.round,  # half to even, as torch.round
+    "sign": lambda x: x if x.dtype == np.bool_ else np.sign(x),
+    "logical_not": np.logical_not,
+    "bitwise_not": lambda x: np.logical_not(x) if x.dtype == np.bool_ else ~x,
+    "add": _logical_or_arithmetic(np.logical_or, np.add),
+    "sub": np.subtract,
+    "mul": _logical_or_arithmetic(np.logical_and, np.multiply),
+    "div": lambda a, b: a / b,
+    "floordiv": np.floor_divide,
+    "remainder": np.remainder,
+    "pow": lambda a, b: np.power(a, b) if a.dtype.kind == "f" else _integer_power(a, b),
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or,
+    "bitwise_xor": np.bitwise_xor,
+    "where": np.where,
+    "cast": lambda x, dtype: x.astype(resolve_dtype(dtype).numpy),
+}
+
+
+def _kind(value):
+    return resolve_dtype(value.dtype) if isinstance(value, np.ndarray) else value
+
+
+def _lift(value, compute: str) -> np.ndarray:
+    """``value`` as the op computes it: cast to the promoted dtype, then widened."""
+    array = np.asarray(value).astype(resolve_dtype(compute).numpy)
+    if array.dtype.kind == "b":
+        return array
+    return array.astype(np.int64 if array.dtype.kind in "iu" else np.float64)
+
+
+def expected_values(op, values, attrs) -> tuple[np.ndarray, str]:
+    """(value in float64 for float results, exact otherwise; result dtype name)."""
+    compute, result_dtype = expected_dtypes(op, [_kind(value) for value in values], attrs)
+    lifted = [_lift(value, compute) for value in values]
+    if op.name == "where":
+        lifted[0] = np.asarray(values[0]).astype(bool)
+    semantics = SEMANTICS.get(op.name, op.ref)  # an op declared after this table: its own ref
+    with np.errstate(all="ignore"):
+        result = np.asarray(semantics(*lifted, **attrs))
+    if resolve_dtype(result_dtype).is_float:
+        return result.astype(np.float64), result_dtype
+    return result.astype(resolve_dtype(result_dtype).numpy), result_dtype

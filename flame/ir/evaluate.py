@@ -42,7 +42,9 @@ def evaluate_leaf(node: Node, precision=None) -> np.ndarray:
     """The value of a generated leaf (constant, random numbers, iota)."""
     attrs = dict(node.attrs)
     if node.op == "const":
-        array = np.asarray(attrs["value"])
+        # A scalar operand keeps its Python value and is used in compute precision, as in
+        # PyTorch (``half_tensor * 2.7`` multiplies by 2.7f, then rounds the product).
+        return np.asarray(attrs["value"], dtype=compute_dtype(node.dtype, precision))
     else:
         attrs.pop("dtype", None)
         array = np.asarray(get_op(node.op).ref(node.shape, **attrs))

@@ -63,13 +63,15 @@ def make_node(op_name: str, inputs: tuple, attrs: dict | None = None, site=None)
     return Node(op_name, tuple(inputs), tuple(sorted(attrs.items())), dtype, shape, site)
 
 
-def make_const(value, dtype: dtypes.DType, site=None):
-    """A scalar constant. Floats keep the Python value (kernels and the reference round it
-    to the dtype when they use it); integers must fit the dtype."""
+def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = False):
+    """A scalar constant. A Python number used as an operand keeps its value and is used in
+    compute precision (float32 for float16/bfloat16 ops, as PyTorch does); a tensor filled
+    with a value (``full``) holds the value rounded to its dtype: ``round_to_dtype``.
+    Integers must fit the dtype."""
     from flame.ir.node import Node
 
     if dtype.is_float:
-        value = float(value)
+        value = float(dtype.numpy.type(value)) if round_to_dtype else float(value)
     elif dtype.is_bool:
         value = bool(value)
     else:

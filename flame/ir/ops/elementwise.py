@@ -104,8 +104,14 @@ _elementwise("floor", np.floor, {"f": "floorf({0})", "i": "{0}"}, categories="if
 _elementwise("ceil", np.ceil, {"f": "ceilf({0})", "i": "{0}"}, categories="if")
 # rintf rounds half to even, as torch.round and np.round do.
 _elementwise("round", np.round, {"f": "rintf({0})", "i": "{0}"}, categories="if")
+def _sign_ref(x):
+    if x.dtype == np.bool_:
+        return x
+    return np.where(np.isnan(x), 0, np.sign(x)).astype(x.dtype)  # sign(NaN) = 0, as PyTorch
+
+
 _elementwise(
-    "sign", lambda x: np.sign(x).astype(x.dtype),
+    "sign", _sign_ref,
     {"f": "(float)(({0} > 0.0f) - ({0} < 0.0f))", "i": "(({0} > 0) - ({0} < 0))", "b": "{0}"},
     differentiable=True,
 )  # fmt: skip
@@ -132,6 +138,7 @@ def_helper(
     "flame_floordiv",
     """
 __device__ __forceinline__ float flame_floordiv(float a, float b) {
+    if (b == 0.0f) return a / b;  // inf, -inf or NaN, as NumPy and PyTorch
     const float mod = fmodf(a, b);
     float div = (a - mod) / b;
     if (mod != 0.0f && ((b < 0.0f) != (mod < 0.0f))) div -= 1.0f;
@@ -187,8 +194,18 @@ __device__ __forceinline__ T flame_ipow(T base, T exponent) {
     return result;
 }""",
 )
+def _pow_ref(base, exponent):
+    if base.dtype.kind != "i":
+        return np.power(base, exponent)
+    # integer powers: a negative exponent gives 0 unless the base is 1 or -1 (as flame_ipow)
+    negative = exponent < 0
+    result = np.power(base, np.where(negative, 0, exponent))
+    parity = np.where(np.abs(exponent) % 2 == 1, -1, 1)
+    return np.where(negative, np.where(base == 1, 1, np.where(base == -1, parity, 0)), result)
+
+
 _binary(
-    "pow", np.power, {"f": "powf({0}, {1})", "i": "flame_ipow({0}, {1})"},
+    "pow", _pow_ref, {"f": "powf({0}, {1})", "i": "flame_ipow({0}, {1})"},
     categories="if", helpers=("flame_ipow",), domains=((0.1, 3.0), (-2.0, 2.0)),
 )  # fmt: skip
 

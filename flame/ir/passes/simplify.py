@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.ir.evaluate import evaluate_elementwise
+from flame.ir.evaluate import compute_dtype, evaluate_elementwise
 from flame.ir.graph import Graph
 from flame.ir.infer import make_const, make_node
 from flame.ir.node import Node
@@ -31,9 +31,11 @@ def _fold(node: Node) -> Node | None:
     values = [constant_value(child) for child in node.inputs]
     if any(value is None for value in values):
         return None
-    arrays = [np.asarray(value, dtype=child.dtype.numpy) for value, child in zip(values, node.inputs)]
-    result = evaluate_elementwise(node, arrays)
-    const = make_const(result.item(), node.dtype, node.site)
+    arrays = [
+        np.asarray(value, dtype=compute_dtype(child.dtype)) for value, child in zip(values, node.inputs)
+    ]
+    result = evaluate_elementwise(node, arrays)  # a computed value: rounded to node.dtype
+    const = make_const(result.item(), node.dtype, node.site, round_to_dtype=True)
     if node.shape == ():
         return const
     return make_node("expand", (const,), {"shape": node.shape}, node.site)
