@@ -7,12 +7,14 @@ checks, and records the user's line, so bad input fails here, when the op is bui
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
 from flame.ir.infer import make_const
-from flame.ir.node import Node, format_site, user_site
+from flame.ir.node import FLAME_DIR, Node, format_site, user_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -191,6 +193,16 @@ def _numpy_dlpack_args(kwargs):
     return {key: value for key, value in kwargs.items() if key in ("max_version", "copy")}
 
 
+def _caller_site():
+    """``user_site`` for fast_apply's callers (an operator or a ``flame.op`` function, whose
+    caller is usually the user's code): look two frames up first, walk only if needed."""
+    frame = sys._getframe(3)
+    filename = frame.f_code.co_filename
+    if filename.startswith(FLAME_DIR):
+        return user_site()
+    return (filename, frame.f_lineno)
+
+
 def fast_apply(op_name: str, first, second=None, arity: int = 2):
     """``apply`` for the common cases (one float/int dtype, equal shapes, or a tensor with a
     Python number that does not change its dtype), which need no promotion, cast or
@@ -202,7 +214,7 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
             node = first.node
             dtype = node.dtype
             if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
-                site = user_site()
+                site = _caller_site()
                 return Tensor(Node(op_name, (node,), (), dtype, node.shape, site), first.backend)
         return apply(op_name, first)
     tensor = first if type(first) is Tensor else second
@@ -221,7 +233,7 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
             elif (kind is float and dtype.is_float) or (kind is int and dtype.is_float):
                 other_node = Node("const", (), (("value", float(other)),), dtype, (), None)
             if other_node is not None:
-                site = user_site()
+                site = _caller_site()
                 inputs = (node, other_node) if tensor is first else (other_node, node)
                 out = dtypes.bool_ if op.out_bool else dtype
                 return Tensor(Node(op_name, inputs, (), out, node.shape, site), tensor.backend)

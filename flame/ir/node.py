@@ -18,7 +18,7 @@ from typing import Any
 
 from flame.ir.dtypes import DType
 
-_FLAME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 Site = tuple  # (filename, line): where a node was built, the first frame outside FLAME
@@ -30,7 +30,7 @@ def format_site(site) -> str:
 
 def user_site() -> Site | None:
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_FLAME_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(FLAME_DIR):
         frame = frame.f_back
     if frame is None:
         return None

@@ -74,8 +74,13 @@ def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
                 storage = node.buffer or node.attr("storage")
                 parts.append((node.dtype, node.shape, storage.layout()))
             else:
-                children = tuple([position[id(child)] for child in node.inputs])
-                parts.append((node.op, node.attrs, node.dtype, node.shape, children))
+                # an op node's dtype and shape follow from its op, attrs and inputs; a
+                # generated leaf (constant, random numbers) needs them spelled out
+                if node.inputs:
+                    children = tuple([position[id(child)] for child in node.inputs])
+                    parts.append((node.op, node.attrs, children))
+                else:
+                    parts.append((node.op, node.attrs, node.dtype, node.shape))
             continue
         if id(node) in position:
             continue
