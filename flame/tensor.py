@@ -415,3 +415,21 @@ def realize(*tensors: Tensor) -> tuple[Tensor, ...] | Tensor:
     for backend_name, nodes in by_backend.items():
         realize_nodes(backend_name, nodes)
     return tensors[0] if len(tensors) == 1 else tensors
+
+
+def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
+    """Build a movement, reduce or library op over tensors. The op's ``shape_rule`` checks
+    the inputs and gives the result type; errors name the op and the user's line."""
+    site = user_site()
+    for value in inputs:
+        if not isinstance(value, Tensor):
+            raise _with_site(_operand_error(op_name, value), site)
+    try:
+        backend_name = _common_backend(op_name, list(inputs))
+        op = get_op(op_name)
+        nodes = tuple(value.node for value in inputs)
+        dtype, shape = op.shape_rule(nodes, attrs)
+    except (ShapeError, TypeError, ValueError, IndexError) as error:
+        raise _with_site(error, site) from None
+    node = Node(op_name, nodes, tuple(sorted(attrs.items())), dtype, tuple(shape), site)
+    return Tensor(node, backend_name)

@@ -50,3 +50,20 @@ def evaluate_leaf(node: Node, precision=None) -> np.ndarray:
         array = np.asarray(get_op(node.op).ref(node.shape, **attrs))
     target = precision if (precision is not None and node.dtype.is_float) else node.dtype.numpy
     return array.astype(node.dtype.numpy).astype(target)
+
+
+def evaluate_other(node: Node, arrays, precision=None) -> np.ndarray:
+    """Movement, reduce and library ops: the declaration's reference on the input arrays
+    (lifted to compute precision; results in the node's dtype, or ``precision`` for floats)."""
+    op = get_op(node.op)
+    lifted = arrays
+    if op.kind != "movement":
+        lifted = [
+            np.asarray(array).astype(compute_dtype(child.dtype, precision), copy=False)
+            for array, child in zip(arrays, node.inputs)
+        ]
+    with np.errstate(all="ignore"):
+        result = np.asarray(op.ref(*lifted, **dict(node.attrs)))
+    if precision is not None and node.dtype.is_float:
+        return result.astype(precision, copy=False)
+    return result.astype(node.dtype.numpy, copy=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flame.ir import dtypes
 from flame.ir.ops import get_op
-from flame.ir.shapes import ShapeError, can_expand
+from flame.ir.shapes import ShapeError
 
 
 def _describe(inputs) -> str:
@@ -21,12 +21,8 @@ def infer(op_name: str, inputs, attrs: dict) -> tuple[dtypes.DType, tuple[int, .
         raise TypeError(f"{op_name}: takes {op.arity} inputs, got {len(inputs)}")
     if op.kind == "elementwise":
         return _infer_elementwise(op, inputs, attrs)
-    if op.kind == "movement":
-        source = inputs[0].shape
-        target = tuple(attrs["shape"])
-        if not can_expand(source, target):
-            raise ShapeError(f"expand: cannot broadcast shape {list(source)} to {list(target)}")
-        return inputs[0].dtype, target
+    if op.shape_rule is not None:
+        return op.shape_rule(inputs, attrs)
     raise TypeError(f"{op_name}: a leaf is built directly, not inferred")
 
 

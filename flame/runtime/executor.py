@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flame.codegen.elementwise import lower_elementwise
+from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node
@@ -39,6 +39,34 @@ class Launch:
     args: tuple
     writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
     shapes: tuple  # per written slot: (shape, dtype)
+
+
+    def execute(self, slots: list) -> None:
+        import cupy
+
+        for (slot, _), (shape, dtype) in zip(self.writes, self.shapes):
+            slots[slot] = cupy.empty(shape, dtype=dtype)
+        arguments = [slots[value] if kind != "scalar" else value for kind, value in self.args]
+        self.function((self.grid,), (self.block,), arguments)
+
+
+@dataclass(frozen=True)
+class LibraryCall:
+    """A node computed by a library routine (cuBLAS, CuPy): see flame/runtime/library.py."""
+
+    node: Node
+    inputs: tuple[int, ...]
+    output: int
+
+    @classmethod
+    def plan(cls, node: Node, slot_of) -> LibraryCall:
+        inputs = tuple(slot_of[id(child)] for child in node.inputs)
+        return cls(node, inputs, slot_of[id(node)])
+
+    def execute(self, slots: list) -> None:
+        from flame.runtime.library import run_library
+
+        slots[self.output] = run_library(self.node, [slots[slot] for slot in self.inputs])
 
 
 @dataclass(frozen=True)
@@ -126,16 +154,9 @@ class Executor:
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
 
     def run(self, plan: Plan, input_arrays: list) -> list:
-        import cupy
-
         slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
-        for launch in plan.launches:
-            for slot, (shape, dtype) in zip((s for s, _ in launch.writes), launch.shapes):
-                slots[slot] = cupy.empty(shape, dtype=dtype)
-            arguments = [
-                slots[value] if kind != "scalar" else value for kind, value in launch.args
-            ]
-            launch.function((launch.grid,), (launch.block,), arguments)
+        for step in plan.launches:
+            step.execute(slots)
         return slots
 
     def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
@@ -148,15 +169,19 @@ class Executor:
             for output in group.outputs:
                 slot_of[id(output)] = slot_count
                 slot_count += 1
-            lowered_groups.append(lower_elementwise(group, _layout_of))
+            if group.kind != "library":
+                lowered_groups.append(lower_group(group, _layout_of))
         sources = [
             (functools.partial(render, low.spec), low.spec.name, spec_key(low.spec))
             for low in lowered_groups
         ]
-        functions = self._load(sources)
+        functions = iter(self._load(sources))
+        kernels = iter(lowered_groups)
         launches = tuple(
-            _launch(low, function, slot_of) for low, function in zip(lowered_groups, functions)
-        )
+            LibraryCall.plan(group.nodes[0], slot_of) if group.kind == "library"
+            else _launch(next(kernels), next(functions), slot_of)
+            for group in graph.groups
+        )  # fmt: skip
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
         return Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.ir.evaluate import evaluate_elementwise, evaluate_leaf
+from flame.ir.evaluate import evaluate_elementwise, evaluate_leaf, evaluate_other
 from flame.ir.graph import is_input
 from flame.ir.node import Node, toposort
 from flame.ir.ops import get_op
@@ -49,9 +49,9 @@ def _evaluate_node(node: Node, values, precision):
     if kind == "leaf":
         return evaluate_leaf(node, precision)
     arguments = [values[id(child)] for child in node.inputs]
-    if kind == "movement":
-        return np.broadcast_to(arguments[0], node.shape)
-    return evaluate_elementwise(node, arguments, precision)
+    if kind == "elementwise":
+        return evaluate_elementwise(node, arguments, precision)
+    return evaluate_other(node, arguments, precision)
 
 
 def realize(nodes, storage_factory) -> None:

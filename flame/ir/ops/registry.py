@@ -3,7 +3,11 @@
 A declaration holds everything the rest of FLAME needs to know about an op:
 
 * ``kind``: ``elementwise`` (fusible, one value per element), ``leaf`` (no tensor inputs:
-  buffers, constants, random numbers, iota) or ``movement`` (an index map, no arithmetic);
+  buffers, constants, random numbers, iota), ``movement`` (an index map, no arithmetic),
+  ``reduce`` (combines values along axes) or ``library`` (runs a library or hand-written
+  kernel named by the op, e.g. cuBLAS for matmul; see ``flame/runtime/library.py``);
+* ``shape_rule(inputs, attrs) -> (dtype, shape)`` for every kind but elementwise (whose rule
+  is shared: one shape, declared promotion); it raises ShapeError/TypeError naming the op;
 * the dtype rule: ``promotion`` (how the tensor layer casts inputs before building the node),
   ``categories`` (which input kinds are allowed), ``out_bool`` (comparisons);
 * ``ref``: the NumPy reference, called on arrays in compute precision (float16/bfloat16
@@ -39,6 +43,7 @@ class OpDef:
     out_bool: bool = False
     helpers: tuple[str, ...] = ()
     attrs: Mapping[str, Any] = field(default_factory=dict)  # attribute names and defaults
+    shape_rule: Callable[..., Any] | None = None
     vjp: Callable[..., Any] | None = None
     differentiable: bool = True
     domains: tuple[tuple, ...] = ()

@@ -22,6 +22,7 @@ import graphlib
 
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
+from flame.ir.ops import get_op
 
 RECOMPUTE_LIMIT = 8
 
@@ -45,6 +46,15 @@ def _computed_size(root: Node, stops: set[int]) -> int:
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
+    for node in graph.nodes:
+        if get_op(node.op).kind != "library":
+            continue
+        chosen[id(node)] = node
+        reasons.setdefault(id(node), f"{node.op} runs as a library call")
+        for child in node.inputs:
+            if not is_input(child) and id(child) not in chosen:
+                chosen[id(child)] = child
+                reasons[id(child)] = f"input of {node.op}, which reads memory"
     for node in graph.nodes:  # inputs first, so inner broadcasts are decided before outer ones
         if node.op != "expand":
             continue
@@ -111,16 +121,28 @@ def _build_groups(graph, buckets, materialized, reasons) -> list[Group]:
     return groups
 
 
+def _library_group(node: Node, reasons) -> Group:
+    return Group("library", (node,), (node,), (reasons[id(node)],))
+
+
 def fuse(graph: Graph) -> Graph:
     materialized, reasons = _materialized(graph)
     by_shape: dict[tuple, list[Node]] = {}
+    library = []
     for node in graph.nodes:
-        if id(node) in materialized:
+        if id(node) not in materialized:
+            continue
+        if get_op(node.op).kind == "library":
+            library.append(_library_group(node, reasons))
+        else:
             by_shape.setdefault(node.shape, []).append(node)
-    groups = _order_groups(
-        _build_groups(graph, list(by_shape.values()), materialized, reasons), materialized
-    )
+    kernels = _build_groups(graph, list(by_shape.values()), materialized, reasons)
+    groups = _order_groups(kernels + library, materialized)
     if groups is None:  # merging same-shape values closed a cycle: one kernel per value
-        singles = [[node] for node in graph.nodes if id(node) in materialized]
-        groups = _order_groups(_build_groups(graph, singles, materialized, reasons), materialized)
+        singles = [
+            [node] for node in graph.nodes
+            if id(node) in materialized and get_op(node.op).kind != "library"
+        ]  # fmt: skip
+        kernels = _build_groups(graph, singles, materialized, reasons)
+        groups = _order_groups(kernels + library, materialized)
     return Graph(graph.outputs, graph.name, tuple(groups))

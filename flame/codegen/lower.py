@@ -1,0 +1,12 @@
+"""Group -> KernelSpec: picks the lowering for the group's kind."""
+
+from __future__ import annotations
+
+from flame.codegen.elementwise import Lowered, lower_elementwise
+from flame.ir.graph import Group
+
+
+def lower_group(group: Group, layout_of) -> Lowered:
+    if group.kind == "elementwise":
+        return lower_elementwise(group, layout_of)
+    raise ValueError(f"no lowering for {group.kind} groups")

@@ -1,0 +1,31 @@
+"""Ops computed by library routines instead of generated kernels.
+
+An op declared with ``kind="library"`` names its implementation here, by op name. Each
+implementation takes the node (for its attrs and result type) and the CuPy arrays of its
+inputs, and returns a new C-contiguous CuPy array of the node's shape (bfloat16 as uint16
+bits, as everywhere on the CUDA backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flame.ir.node import Node
+
+IMPLEMENTATIONS: dict[str, Callable] = {}
+
+
+def implements(op_name: str):
+    def register(function):
+        IMPLEMENTATIONS[op_name] = function
+        return function
+
+    return register
+
+
+def run_library(node: Node, arrays: list):
+    try:
+        implementation = IMPLEMENTATIONS[node.op]
+    except KeyError:
+        raise RuntimeError(f"{node.op} has no CUDA implementation registered") from None
+    return implementation(node, arrays)
