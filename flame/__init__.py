@@ -17,6 +17,13 @@ from flame.ir.dtypes import (
 )  # fmt: skip
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor, clamp, realize
+from flame.views import (
+    broadcast_to, expand, flatten, flip, narrow, permute, reshape, squeeze, transpose, unsqueeze,
+)  # fmt: skip
+from flame.reductions import (
+    all, amax, amin, any, argmax, argmin, logsumexp, max, mean, min, prod_ as prod, std, sum, var,
+)  # fmt: skip
+from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 
 half = float16
 float = float32  # noqa: A001 (PyTorch's spelling: flame.float)
@@ -29,5 +36,8 @@ __all__ = [
     "clamp", "float16", "float32", "from_dlpack", "from_numpy", "full", "full_like",
     "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
+    "all", "amax", "amin", "any", "argmax", "argmin", "broadcast_to", "expand", "flatten",
+    "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
+    "squeeze", "std", "sum", "transpose", "unsqueeze", "var",
     *_functional_names,
 ]  # fmt: skip

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from flame.codegen.elementwise import Lowered, lower_elementwise
+from flame.codegen.reduce import lower_reduce
 from flame.ir.graph import Group
 
 
 def lower_group(group: Group, layout_of) -> Lowered:
     if group.kind == "elementwise":
         return lower_elementwise(group, layout_of)
+    if group.kind == "reduce":
+        return lower_reduce(group, layout_of)
     raise ValueError(f"no lowering for {group.kind} groups")

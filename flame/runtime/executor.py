@@ -225,8 +225,12 @@ def _launch(lowered, function, slot_of) -> Launch:
         else:
             scalar = np.int32 if spec.index_type == "int" else np.int64
             arguments.append(("scalar", scalar(arg.value)))
-    trip_count = lowered.numel // spec.vec if spec.vec > 1 else lowered.numel
-    blocks = max(1, min(-(-trip_count // spec.block), device_info().multiprocessors * BLOCKS_PER_SM))
+    if lowered.grid_items:  # the lowering chose the grid (reductions: rows or row groups)
+        blocks = max(1, min(lowered.grid_items, 2**31 - 1))
+    else:
+        trip_count = lowered.numel // spec.vec if spec.vec > 1 else lowered.numel
+        cap = device_info().multiprocessors * BLOCKS_PER_SM
+        blocks = max(1, min(-(-trip_count // spec.block), cap))
     writes = tuple((slot_of[id(node)], position) for position, node in enumerate(lowered.outputs))
     shapes = tuple((node.shape, _cupy_dtype(node.dtype)) for node in lowered.outputs)
     return Launch(spec, function, blocks, spec.block, tuple(arguments), writes, shapes)

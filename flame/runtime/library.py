@@ -8,11 +8,15 @@ bits, as everywhere on the CUDA backend).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from flame.ir.node import Node
 
 IMPLEMENTATIONS: dict[str, Callable] = {}
+# Modules whose ``@implements`` functions register themselves; imported on the first call
+# that needs one, so ``import flame`` does not pay for them.
+IMPLEMENTATION_MODULES = ("flame.runtime.library_linalg", "flame.runtime.library_indexing")
 
 
 def implements(op_name: str):
@@ -24,8 +28,11 @@ def implements(op_name: str):
 
 
 def run_library(node: Node, arrays: list):
-    try:
-        implementation = IMPLEMENTATIONS[node.op]
-    except KeyError:
-        raise RuntimeError(f"{node.op} has no CUDA implementation registered") from None
+    implementation = IMPLEMENTATIONS.get(node.op)
+    if implementation is None:
+        for module in IMPLEMENTATION_MODULES:
+            importlib.import_module(module)
+        implementation = IMPLEMENTATIONS.get(node.op)
+    if implementation is None:
+        raise RuntimeError(f"{node.op} has no CUDA implementation registered")
     return implementation(node, arrays)

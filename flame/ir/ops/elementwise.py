@@ -214,7 +214,9 @@ def_helper(
     "flame_minmax",
     """
 __device__ __forceinline__ float flame_max(float a, float b) { return (a != a || a > b) ? a : b; }
-__device__ __forceinline__ float flame_min(float a, float b) { return (a != a || a < b) ? a : b; }""",
+__device__ __forceinline__ float flame_min(float a, float b) { return (a != a || a < b) ? a : b; }
+template <typename T> __device__ __forceinline__ T flame_max(T a, T b) { return a > b ? a : b; }
+template <typename T> __device__ __forceinline__ T flame_min(T a, T b) { return a < b ? a : b; }""",
 )
 _binary(
     "maximum", np.maximum,

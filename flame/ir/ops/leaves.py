@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from flame.ir.ops.registry import def_helper, def_op
-from flame.ir.shapes import ShapeError, can_expand
 
 # --- data and constants --------------------------------------------------------------------
 
@@ -110,19 +109,4 @@ def_op(
     "arange", "leaf", 0, ref=arange_ref,
     cuda={"f": "({start} + (float){index} * {step})", "i": "({start} + {index} * {step})"},
     attrs={"start": 0, "step": 1}, differentiable=False,
-)  # fmt: skip
-
-# --- movement --------------------------------------------------------------------------------
-
-def _expand_rule(inputs, attrs):
-    source, target = inputs[0].shape, tuple(attrs["shape"])
-    if not can_expand(source, target):
-        raise ShapeError(f"expand: cannot broadcast shape {list(source)} to {list(target)}")
-    return inputs[0].dtype, target
-
-
-def_op(
-    "expand", "movement", 1, ref=lambda x, shape=(): np.broadcast_to(x, shape),
-    attrs={"shape": ()}, shape_rule=_expand_rule,
-    doc="NumPy broadcasting to attrs.shape: a stride-0 index map",
 )  # fmt: skip

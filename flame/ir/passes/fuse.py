@@ -1,19 +1,25 @@
-"""Elementwise fusion: group the graph into kernels.
+"""Fusion: group the graph into kernels.
 
 Afterwards: ``graph.groups`` lists kernels in an order that respects their dependencies, and
-every computed node of the graph is in at least one group. A group iterates over one shape
-and writes its ``outputs``; everything else it computes lives in registers.
+every computed node is in at least one group. A group writes its ``outputs``; everything
+else it computes stays in registers. Kinds:
 
-The rules:
+* ``elementwise``: one shape; every member is evaluated per output element;
+* ``reduce``: one or more reductions that share an input shape and axes (a *row key*), with
+  their elementwise prologue (input-shaped values) and epilogue (values of the reduced
+  shape), and values that combine a reduction broadcast back over the input with the input
+  itself: softmax, layer norm and RMS norm are one ``reduce`` group that reads each row once
+  and writes it once;
+* ``library``: one library call (matmul, gathers, ...).
 
-1. A value is *materialized* (written to memory) when it is a graph output, or when it is a
-   computed value that a larger tensor broadcasts and recomputing it per element would cost
-   more than ``RECOMPUTE_LIMIT`` ops. Smaller broadcast computations are recomputed inside the
-   consumer's kernel: an extra kernel launch costs more than a few ops per element.
-2. Materialized values of the same shape share one kernel (several outputs), so work they
-   share is computed once. Values of different shapes get one kernel per shape.
-3. A kernel reads materialized values of other kernels from memory, never recomputes them:
-   every realized value is computed exactly once.
+Rules, each with the reason recorded for the dump:
+
+1. A value is *materialized* (written to memory) when it is a graph output; the result or a
+   computed input of a library call; a computation broadcast to a larger shape that would
+   cost more than ``RECOMPUTE_LIMIT`` ops per element to recompute; the input of a reshape
+   that cannot be a strided view; or a reduction a kernel of another kind or key needs.
+2. Materialized values of one shape (elementwise) or one row key (reduce) share a kernel.
+3. Kernels read materialized values of other kernels, never recompute them.
 """
 
 from __future__ import annotations
@@ -23,70 +29,200 @@ import graphlib
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.views import MOVEMENT_OPS, View, expand_view, resolve, storage_view
 
-RECOMPUTE_LIMIT = 8
+
+def row_key(node: Node) -> tuple:
+    """(input shape, axes) of a reduction."""
+    return node.inputs[0].shape, node.attr("axes")
 
 
-def _computed_size(root: Node, stops: set[int]) -> int:
-    """Number of elementwise ops under ``root`` that a kernel would recompute."""
-    count = 0
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or is_input(node) or (node is not root and id(node) in stops):
-            continue
-        seen.add(id(node))
-        if node.inputs and node.op != "expand":
-            count += 1
-        stack.extend(node.inputs)
-    return count
+def kept_shape(key) -> tuple[int, ...]:
+    shape, axes = key
+    return tuple(1 if axis in axes else size for axis, size in enumerate(shape))
+
+
+def scalar_shapes(key) -> tuple[tuple[int, ...], ...]:
+    """Shapes of per-row values: the reduced shape with its axes kept as 1, or dropped
+    (``keepdim=False``); both lay the rows out in the same order."""
+    shape, axes = key
+    return kept_shape(key), tuple(size for axis, size in enumerate(shape) if axis not in axes)
+
+
+def _row_view_fits(view: View, key) -> bool:
+    """``view`` (of a per-row value, as a consumer sees it) is that value broadcast back over
+    its rows, or the value itself in row order."""
+    if view.shape in scalar_shapes(key):
+        return view == View(view.shape, View.contiguous(view.shape).strides, 0) or (
+            view.offset == 0 and view.strides == reshape_strides(view.shape)
+        )
+    if view.shape != key[0]:
+        return False
+    return view == expand_view(View.contiguous(kept_shape(key)), key[0])
+
+
+def reshape_strides(shape) -> tuple[int, ...]:
+    """Contiguous strides with 0 for size-1 axes (how reshapes spell them)."""
+    strides = View.contiguous(shape).strides
+    return tuple(0 if size == 1 else stride for size, stride in zip(shape, strides))
+
+
+def is_row_alias(node: Node, key) -> bool:
+    """``node`` is a reshape-like view of a reduction with row key ``key`` that keeps its
+    memory order (``x.sum(-1)`` without keepdim): the reduction kernel writes it directly."""
+    resolved = resolve(node, lambda base: View.contiguous(base.shape), lambda m: True)
+    if resolved is None:
+        return False
+    base, view = resolved
+    return (
+        not is_input(base) and base.shape in scalar_shapes(key)
+        and get_op(base.op).kind in ("reduce", "elementwise")
+        and _row_view_fits(view, key) and view.shape in scalar_shapes(key)
+    )  # fmt: skip
+
+
+def _base_view(node: Node) -> View:
+    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
 
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
-    for node in graph.nodes:
-        if get_op(node.op).kind != "library":
-            continue
-        chosen[id(node)] = node
-        reasons.setdefault(id(node), f"{node.op} runs as a library call")
-        for child in node.inputs:
-            if not is_input(child) and id(child) not in chosen:
-                chosen[id(child)] = child
-                reasons[id(child)] = f"input of {node.op}, which reads memory"
-    for node in graph.nodes:  # inputs first, so inner broadcasts are decided before outer ones
-        if node.op != "expand":
-            continue
-        source = node.inputs[0]
-        if is_input(source) or id(source) in chosen:
-            continue
-        cost = _computed_size(source, set(chosen))
-        if cost > RECOMPUTE_LIMIT:
-            chosen[id(source)] = source
-            ratio = node.numel // max(source.numel, 1)
-            reasons[id(source)] = (
-                f"broadcast of {cost} ops would be recomputed {ratio}x: written once instead"
-            )
+
+    def choose(node: Node, reason: str) -> None:
+        if not is_input(node) and id(node) not in chosen:
+            chosen[id(node)] = node
+            reasons[id(node)] = reason
+
+    for node in graph.nodes:  # inputs first, so inner decisions come before outer ones
+        kind = get_op(node.op).kind
+        if kind == "library":
+            choose(node, f"{node.op} runs as a library call")
+            for child in node.inputs:
+                choose(child, f"input of {node.op}, which reads memory")
+        elif node.op == "expand" and not is_input(node.inputs[0]):
+            source = node.inputs[0]
+            cost = computed_size(source, set(chosen))
+            if cost > RECOMPUTE_LIMIT:
+                ratio = node.numel // max(source.numel, 1)
+                choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
+        elif node.op == "reshape":
+            if resolve(node, _base_view, lambda m: id(m) not in chosen) is None:
+                choose(node.inputs[0], "reshape of a layout that is not a strided view")
     return chosen, reasons
 
 
-def _members(roots: list[Node], materialized: dict[int, Node]) -> list[Node]:
-    root_ids = {id(root) for root in roots}
-    members: dict[int, Node] = {}
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if id(node) in members or is_input(node):
-            continue
-        if id(node) in materialized and id(node) not in root_ids:
-            continue
-        members[id(node)] = node
-        stack.extend(node.inputs)
-    return list(members.values())
+class _Grouping:
+    """One attempt at grouping; ``extra`` collects values found to need materializing."""
+
+    def __init__(self, graph: Graph, materialized: dict[int, Node]):
+        self.graph = graph
+        self.materialized = materialized
+        self.extra: dict[int, tuple[Node, str]] = {}
+
+    def members(self, roots: list[Node], key) -> list[Node]:
+        found: dict[int, Node] = {}
+        stack = list(roots)
+        root_ids = {id(root) for root in roots}
+        while stack:
+            node = stack.pop()
+            if id(node) in found or is_input(node):
+                continue
+            if id(node) in self.materialized and id(node) not in root_ids:
+                continue
+            if not self._admit(node, key):
+                continue
+            found[id(node)] = node
+            stack.extend(node.inputs)
+        return list(found.values())
+
+    def _admit(self, node: Node, key) -> bool:
+        kind = get_op(node.op).kind
+        if kind == "reduce" and row_key(node) != key:
+            self.extra[id(node)] = (node, "reduction read by a kernel of another shape")
+            return False
+        if kind == "movement" and key is None:
+            source = node.inputs[0]
+            if not is_input(source) and get_op(source.op).kind not in ("leaf", "movement"):
+                if id(source) not in self.materialized:
+                    self.extra[id(source)] = (source, "view of a computed value")
+                    return False
+        if key is None or kind in ("leaf", "movement", "reduce"):
+            return True
+        if node.shape != key[0] and node.shape not in scalar_shapes(key):
+            self.extra[id(node)] = (node, "value of another shape inside a reduction kernel")
+            return False
+        return True
+
+    def reduction_key(self, root: Node):
+        """The row key of the first reduction a root's kernel would compute, if any."""
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or is_input(node):
+                continue
+            seen.add(id(node))
+            if node is not root and id(node) in self.materialized:
+                continue
+            if get_op(node.op).kind == "reduce":
+                return row_key(node)
+            stack.extend(node.inputs)
+        return None
+
+    def check_internal_views(self, group_nodes: list[Node], key) -> None:
+        """A movement chain over a reduction inside its own kernel must be the plain
+        broadcast of the per-row value; anything else reads it from memory."""
+        member_ids = {id(node) for node in group_nodes}
+        for node in group_nodes:
+            for child in node.inputs:
+                if child.op not in MOVEMENT_OPS or id(child) not in member_ids:
+                    continue
+                resolved = resolve(child, _base_view, lambda m: id(m) in member_ids)
+                if resolved is None:
+                    continue
+                base, view = resolved
+                if get_op(base.op).kind in ("leaf",) or id(base) not in member_ids:
+                    continue
+                # an internal value seen through a view: only a per-row value broadcast
+                # back over its row (or kept as is) is free; anything else is written first
+                fits = base.shape in scalar_shapes(key) and _row_view_fits(view, key)
+                if not fits:
+                    self.extra[id(base)] = (base, "value read through a reshaping view")
 
 
-def _order_groups(groups: list[Group], materialized: dict[int, Node]) -> list[Group] | None:
+def _form_groups(graph: Graph, materialized, reasons):
+    grouping = _Grouping(graph, materialized)
+    position = {id(node): index for index, node in enumerate(graph.nodes)}
+    buckets: dict[tuple, list[Node]] = {}
+    library = []
+    for node in graph.nodes:
+        if id(node) not in materialized:
+            continue
+        if get_op(node.op).kind == "library":
+            library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
+            continue
+        key = grouping.reduction_key(node)
+        bucket = ("reduce", key) if key is not None else ("elementwise", node.shape)
+        if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
+            if not is_row_alias(node, key):
+                bucket = ("elementwise", node.shape)
+        buckets.setdefault(bucket, []).append(node)
+    groups = []
+    for (kind, key), roots in buckets.items():
+        group_key = key if kind == "reduce" else None
+        members = grouping.members(roots, group_key)
+        if kind == "reduce":
+            grouping.check_internal_views(members, key)
+        members.sort(key=lambda node: position[id(node)])
+        roots = sorted(roots, key=lambda node: position[id(node)])
+        why = tuple(reasons[id(root)] for root in roots)
+        groups.append(Group(kind, tuple(members), tuple(roots), why))
+    return groups + library, grouping.extra
+
+
+def _order_groups(groups: list[Group], materialized) -> list[Group] | None:
     """Kernels in dependency order, or None when merging made a cycle."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
     # graphlib (stdlib) rather than networkx: this runs on every new plan, and importing
@@ -110,39 +246,33 @@ def _order_groups(groups: list[Group], materialized: dict[int, Node]) -> list[Gr
     return [groups[index] for index in order]
 
 
-def _build_groups(graph, buckets, materialized, reasons) -> list[Group]:
-    groups = []
-    position = {id(node): index for index, node in enumerate(graph.nodes)}
-    for roots in buckets:
-        members = sorted(_members(roots, materialized), key=lambda node: position[id(node)])
-        outputs = tuple(sorted(roots, key=lambda node: position[id(node)]))
-        why = tuple(f"{reasons[id(root)]}" for root in outputs)
-        groups.append(Group("elementwise", tuple(members), outputs, why))
-    return groups
-
-
-def _library_group(node: Node, reasons) -> Group:
-    return Group("library", (node,), (node,), (reasons[id(node)],))
-
-
 def fuse(graph: Graph) -> Graph:
     materialized, reasons = _materialized(graph)
-    by_shape: dict[tuple, list[Node]] = {}
-    library = []
+    for _ in range(len(graph.nodes) + 1):
+        groups, extra = _form_groups(graph, materialized, reasons)
+        if not extra:
+            break
+        for key, (node, reason) in extra.items():
+            materialized[key] = node
+            reasons[key] = reason
+    ordered = _order_groups(groups, materialized)
+    if ordered is None:  # merging roots closed a cycle: one kernel per materialized value
+        ordered = _split_groups(graph, materialized, reasons)
+    return Graph(graph.outputs, graph.name, tuple(ordered))
+
+
+def _split_groups(graph, materialized, reasons) -> list[Group]:
+    grouping = _Grouping(graph, materialized)
+    position = {id(node): index for index, node in enumerate(graph.nodes)}
+    groups = []
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
         if get_op(node.op).kind == "library":
-            library.append(_library_group(node, reasons))
-        else:
-            by_shape.setdefault(node.shape, []).append(node)
-    kernels = _build_groups(graph, list(by_shape.values()), materialized, reasons)
-    groups = _order_groups(kernels + library, materialized)
-    if groups is None:  # merging same-shape values closed a cycle: one kernel per value
-        singles = [
-            [node] for node in graph.nodes
-            if id(node) in materialized and get_op(node.op).kind != "library"
-        ]  # fmt: skip
-        kernels = _build_groups(graph, singles, materialized, reasons)
-        groups = _order_groups(kernels + library, materialized)
-    return Graph(graph.outputs, graph.name, tuple(groups))
+            groups.append(Group("library", (node,), (node,), (reasons[id(node)],)))
+            continue
+        key = grouping.reduction_key(node)
+        kind = "reduce" if key is not None else "elementwise"
+        members = sorted(grouping.members([node], key), key=lambda n: position[id(n)])
+        groups.append(Group(kind, tuple(members), (node,), (reasons[id(node)],)))
+    return _order_groups(groups, materialized)

@@ -1,7 +1,8 @@
 """Constant folding and algebraic simplification.
 
-Afterwards: no elementwise node has only constant inputs; no ``expand`` is an identity or
-stacked on another ``expand``; ``x*1``, ``x/1``, ``x-0``, integer ``x+0``, ``--x``,
+Afterwards: no elementwise node has only constant inputs; movement ops (expand, reshape,
+permute, slice) sit on leaves, reductions or library results, or on a computation too
+expensive to recompute under a broadcast; none is an identity or stacked on one of its kind; ``x*1``, ``x/1``, ``x-0``, integer ``x+0``, ``--x``,
 ``x**1`` are gone; ``x**2`` is ``x*x``. Rules that would change a float result are not applied
 (``x + 0.0`` turns ``-0.0`` into ``0.0``; ``x * 0`` is not ``0`` for NaN or infinity).
 """
@@ -15,6 +16,7 @@ from flame.ir.graph import Graph
 from flame.ir.infer import make_const, make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.rewrite import rewrite
 
 
@@ -43,13 +45,6 @@ def _fold(node: Node) -> Node | None:
 
 def _identity(node: Node) -> Node | None:
     op = node.op
-    if op == "expand":
-        source = node.inputs[0]
-        if source.shape == node.shape:
-            return source
-        if source.op == "expand":
-            return make_node("expand", (source.inputs[0],), {"shape": node.shape}, node.site)
-        return None
     if op == "neg" and node.inputs[0].op == "neg":
         return node.inputs[0].inputs[0]
     if op == "cast" and node.inputs[0].dtype is node.dtype:
@@ -74,13 +69,85 @@ def _identity(node: Node) -> Node | None:
     return None
 
 
+MOVEMENT = ("expand", "reshape", "permute", "slice")
+
+
+def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
+    """``op`` over ``child``, pushed through elementwise ops down to the leaves, so that in
+    kernels every movement becomes the index map of a load. Broadcasts go through only
+    cheap computations (see RECOMPUTE_LIMIT); expensive ones are written once instead."""
+    node = make_node(op, (child,), dict(attrs), site)
+    if node.shape == child.shape and op in ("expand", "reshape"):
+        return child
+    if child.op == "const" and child.shape == ():
+        return make_node("expand", (child,), {"shape": node.shape}, site)
+    if child.op == op and op in ("expand", "reshape"):  # two steps of one kind are one
+        return _movement(op, attrs, child.inputs[0], site, keep)
+    if op == "permute" and child.op == "permute":
+        inner = child.attr("dims")
+        dims = tuple(inner[d] for d in node.attr("dims"))
+        return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
+    if get_op(child.op).kind != "elementwise" or id(child) in keep:
+        return node  # graph outputs are written anyway: read them, do not recompute
+    if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
+        return node
+    if op != "expand" and not _leaves_only(child):
+        return node  # it would stop at a reduction anyway: keep the view on the result
+    inputs = tuple(
+        grand if (grand.op == "const" and grand.shape == ())
+        else _movement(op, attrs, grand, site, keep)
+        for grand in child.inputs
+    )
+    return make_node(child.op, inputs, dict(child.attrs), child.site)
+
+
+def _leaves_only(root: Node) -> bool:
+    """No reduction or library call under ``root``: a view pushed down reaches leaves."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.buffer is not None:
+            continue
+        seen.add(id(node))
+        if get_op(node.op).kind in ("reduce", "library"):
+            return False
+        stack.extend(node.inputs)
+    return True
+
+
+def _identity_movement(node: Node, keep) -> Node | None:
+    if node.op == "permute" and node.attr("dims") == tuple(range(len(node.shape))):
+        return node.inputs[0]
+    if node.op == "slice" and node.shape == node.inputs[0].shape and all(
+        step == 1 for step in node.attr("steps")
+    ):
+        return node.inputs[0]
+    if node.op in MOVEMENT:
+        pushed = _movement(node.op, node.attrs, node.inputs[0], node.site, keep)
+        return None if pushed is node or _same(pushed, node) else pushed
+    return None
+
+
+def _same(first: Node, second: Node) -> bool:
+    return (
+        first.op == second.op and first.attrs == second.attrs
+        and len(first.inputs) == len(second.inputs)
+        and all(a is b for a, b in zip(first.inputs, second.inputs))
+    )  # fmt: skip
+
+
 def simplify(graph: Graph) -> Graph:
+    keep = frozenset(id(node) for node in graph.outputs)
+
     def visit(node: Node) -> Node:
         while True:
             kind = get_op(node.op).kind
             replacement = None
             if kind == "elementwise":
                 replacement = _fold(node)
+            elif kind == "movement":
+                replacement = _identity_movement(node, keep)
             if replacement is None:
                 replacement = _identity(node)
             if replacement is None:

@@ -1,0 +1,174 @@
+"""What every kernel lowering shares: the reads of a group (each a base value seen through a
+strided view), storage conversions, C expressions of ops, literals and the comment header."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flame.codegen.spec import c_literal
+from flame.ir import dtypes
+from flame.ir.graph import Group, is_input
+from flame.ir.node import Node, format_site
+from flame.ir.ops import HELPERS, get_op
+from flame.ir.printer import format_type, format_value
+from flame.ir.views import MOVEMENT_OPS, View, resolve
+
+INDEX_LEAVES = ("rand", "randn", "arange")
+
+
+@dataclass
+class Read:
+    """A value a kernel reads: ``base`` (a buffer, or a leaf generated from its index)
+    through ``view``; ``top`` is the node consumers refer to (the last movement op)."""
+
+    top: Node
+    base: Node
+    view: View
+    generated: bool
+    aligned: bool = True
+    param: str = ""
+    strides: tuple[int, ...] = ()  # over the collapsed iteration space
+    offset: int = 0
+
+
+def is_scalar_const(node: Node) -> bool:
+    return node.op == "const" and node.shape == ()
+
+
+def collect_reads(group: Group, layout_of) -> tuple[list[Read], dict[int, Node]]:
+    """The reads of a group, and the internal values that consumers see through views
+    (``aliases``: top node -> member it stands for, e.g. a broadcast per-row reduction)."""
+    members = {id(node) for node in group.nodes}
+    reads: dict[int, Read] = {}
+    aliases: dict[int, Node] = {}
+
+    def base_view(node):
+        if is_input(node) or id(node) not in members:
+            strides, _ = layout_of(node)
+            return View(tuple(node.shape), tuple(strides), 0)
+        return View.contiguous(node.shape)
+
+    def visit(top: Node) -> None:
+        if id(top) in reads or id(top) in aliases or is_scalar_const(top):
+            return
+        if id(top) in members and top.op not in MOVEMENT_OPS and top.op not in INDEX_LEAVES:
+            return  # computed in the kernel
+        base, view = resolve(top, base_view, lambda m: id(m) in members)
+        if id(base) in members and base.op not in INDEX_LEAVES:
+            aliases[id(top)] = base
+            return
+        generated = base.op in INDEX_LEAVES and id(base) in members
+        aligned = True if generated else layout_of(base)[1]
+        reads[id(top)] = Read(top, base, view, generated, aligned)
+
+    for node in group.nodes:
+        if node.op in MOVEMENT_OPS:
+            continue
+        for child in node.inputs:
+            visit(child)
+    for root in group.outputs:
+        visit(root)
+    return list(reads.values()), aliases
+
+
+def load(dtype: dtypes.DType, expression: str) -> str:
+    if dtype is dtypes.float16:
+        return f"flame_load_f16({expression})"
+    if dtype is dtypes.bfloat16:
+        return f"flame_load_bf16({expression})"
+    return expression
+
+
+def store(dtype: dtypes.DType, expression: str) -> str:
+    if dtype is dtypes.float16:
+        return f"flame_store_f16({expression})"
+    if dtype is dtypes.bfloat16:
+        return f"flame_store_bf16({expression})"
+    return expression
+
+
+def cast_expression(source: dtypes.DType, target: dtypes.DType, value: str) -> str:
+    if target.is_bool:
+        return value if source.is_bool else f"({value} != 0)"
+    if target.is_float:
+        converted = value if source.is_float else f"(float){value}"
+        if target in (dtypes.float16, dtypes.bfloat16):
+            converted = load(target, store(target, converted))
+        return converted
+    return f"({target.c_compute}){value}"
+
+
+def attr_literal(value) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return c_literal(value, dtypes.float32)
+
+
+class Helpers:
+    """C helper functions a kernel needs, each once, in first-use order."""
+
+    def __init__(self):
+        self.sources: list[str] = []
+
+    def need(self, names) -> None:
+        for name in names:
+            source = HELPERS[name]
+            if source not in self.sources:
+                self.sources.append(source)
+
+
+def op_expression(node: Node, arguments: list[str], helpers: Helpers) -> str:
+    """The C expression of an elementwise node over its arguments' C expressions."""
+    if node.op == "cast":
+        return cast_expression(node.inputs[0].dtype, node.dtype, arguments[0])
+    op = get_op(node.op)
+    helpers.need(op.helpers)
+    category = node.inputs[-1].dtype.category
+    literals = {key: attr_literal(value) for key, value in node.attrs}
+    return op.expression(category).format(*arguments, **literals)
+
+
+def generated_expression(node: Node, index: str, helpers: Helpers) -> str:
+    """The value of a generated leaf (rand, randn, arange) at linear ``index``."""
+    op = get_op(node.op)
+    helpers.need(op.helpers)
+    category = node.dtype.category if node.op == "arange" else 2
+    literals = {key: c_literal(value, node.dtype) for key, value in node.attrs if key != "seed"}
+    text = op.expression(category).format(index=index, seed=node.attr("seed", 0), **literals)
+    if category == 2:
+        return cast_expression(dtypes.float32, node.dtype, text)
+    return text
+
+
+def const_literal(node: Node) -> str:
+    return c_literal(node.attr("value"), node.dtype)
+
+
+def header(group: Group) -> tuple[str, ...]:
+    """The group as IR text, each line with the user line that built it."""
+    names = {id(node): f"%{index}" for index, node in enumerate(group.nodes)}
+    count = 0
+    for node in group.nodes:
+        for child in node.inputs:
+            if id(child) not in names:
+                names[id(child)] = f"in{count}"
+                count += 1
+    lines = []
+    for node in group.nodes:
+        arguments = [names[id(child)] for child in node.inputs]
+        arguments += [f"{key}={format_value(value)}" for key, value in node.attrs]
+        text = f"{names[id(node)]}: {format_type(node)} = {node.op}({', '.join(arguments)})"
+        if node.site is not None:
+            text = text.ljust(48) + f"  # {format_site(node.site)}"
+        lines.append(text)
+    lines.append("writes " + ", ".join(names[id(node)] for node in group.outputs))
+    return tuple(lines)
+
+
+def kernel_stem(group: Group) -> str:
+    ops = [n.op for n in group.nodes if n.inputs and n.op not in MOVEMENT_OPS]
+    return "_".join(dict.fromkeys(ops))[:40] or "copy"

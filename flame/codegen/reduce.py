@@ -1,0 +1,335 @@
+"""Lowering of a reduce group: reductions over one input shape and axes, with their prologue
+(values of the input shape) and epilogue (values of the reduced shape), in passes.
+
+Pass p computes the reductions whose inputs need only what passes before it produced; a
+last pass writes the values of the input shape. Softmax is three passes (max, sum of exp,
+write) over a row in one kernel. Two layouts:
+
+* ``block``: the reduced axes include the innermost one; a block owns an outer index (a row)
+  and its threads stride along the row, then combine through warp shuffles;
+* ``thread``: the innermost axis is kept (e.g. a sum over the middle axis); a thread owns
+  an outer index and walks the reduced axes, so a warp reads consecutive addresses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from flame.codegen.common import (
+    Helpers, Read, collect_reads, const_literal, generated_expression, header, kernel_stem,
+    load, op_expression, store,
+)  # fmt: skip
+from flame.codegen.elementwise import Lowered, collapse, index_type_for
+from flame.codegen.spec import Arg, KernelSpec
+from flame.ir import dtypes
+from flame.ir.graph import Group
+from flame.ir.ops import get_op
+from flame.ir.shapes import contiguous_strides, prod
+from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
+
+THREAD_BLOCK = 256
+
+
+def _block_size(inner: int) -> int:
+    for size in (1024, 512, 256):
+        if inner >= 4 * size:
+            return size
+    return 128
+
+
+class _Space:
+    """The input space split into outer (kept) and inner (reduced) axes, each collapsed."""
+
+    def __init__(self, shape, axes, stride_sets):
+        kept = [axis for axis in range(len(shape)) if axis not in axes]
+        self.outer_sizes, outer = collapse(
+            [shape[a] for a in kept], [[s[a] for a in kept] for s in stride_sets]
+        )
+        self.inner_sizes, inner = collapse(
+            [shape[a] for a in axes], [[s[a] for a in axes] for s in stride_sets]
+        )
+        self.outer_strides, self.inner_strides = outer, inner
+        self.num_outer, self.num_inner = prod(self.outer_sizes), prod(self.inner_sizes)
+        self.block_mode = bool(axes) and axes[-1] == len(shape) - 1
+
+
+def lower_reduce(group: Group, layout_of) -> Lowered:
+    reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
+    shape, axes = reduces[0].inputs[0].shape, reduces[0].attr("axes")
+    kept = tuple(1 if axis in axes else size for axis, size in enumerate(shape))
+    reads, aliases = collect_reads(group, layout_of)
+    out_views = [_output_strides(node, shape, kept) for node in group.outputs]
+    stride_sets = [_space_view(read.view, shape, kept).strides for read in reads] + out_views
+    space = _Space(shape, axes, stride_sets)
+    writer = _ReduceWriter(group, space, reads, aliases, shape, kept)
+    writer.index = index_type_for(prod(shape), reads)
+    return writer.build(out_views)
+
+
+def _space_view(view, shape, kept):
+    """A read's view over the input space. A per-row value without its reduced axes
+    (``keepdim=False``) is first given them back, then broadcast over the rows."""
+    if view.shape != shape and prod(view.shape) == prod(kept) and len(view.shape) != len(shape):
+        view = reshape_view(view, kept)
+    return expand_view(view, shape)
+
+
+def _output_strides(node, shape, kept):
+    """Outputs are contiguous: of the input shape, or of the reduced shape (broadcast)."""
+    if node.shape == shape:
+        return contiguous_strides(shape)
+    strides = contiguous_strides(kept)
+    return tuple(0 if size == 1 else stride for size, stride in zip(kept, strides))
+
+
+class _ReduceWriter:
+    def __init__(self, group, space, reads, aliases, shape, kept):
+        self.group, self.space, self.reads, self.aliases = group, space, reads, aliases
+        self.shape, self.kept = shape, kept
+        self.members = {id(node) for node in group.nodes}
+        self.params: list[Arg] = []
+        self.helpers = Helpers()
+        self.outer_lines: list[str] = []
+        self.passes: list[dict] = []
+        self.index = "int"
+        self.scalar_values: dict[int, str] = {}
+        self.level = self._levels()
+
+    def _levels(self) -> dict[int, int]:
+        """How many reduction passes must finish before each value can be computed."""
+        level: dict[int, int] = {}
+        for node in self.group.nodes:
+            needs = max([self._level_of(child, level) for child in node.inputs], default=0)
+            kind = get_op(node.op).kind
+            level[id(node)] = needs + 1 if kind == "reduce" else needs
+        return level
+
+    def _level_of(self, node, level) -> int:
+        node = self.aliases.get(id(node), node)
+        return level.get(id(node), 0)
+
+    def _is_row(self, node) -> bool:
+        return node.shape == self.shape and get_op(node.op).kind != "reduce"
+
+    def build(self, out_views) -> Lowered:
+        for position, output in enumerate(self.group.outputs):
+            self.params.append(Arg("out", f"{output.dtype.c_storage}*", f"out{position}", operand=position))
+        buffers = [read for read in self.reads if not read.generated]
+        for position, read in enumerate(self.reads):
+            read.param = f"in{position}"
+            if not read.generated:
+                ctype = f"const {read.base.dtype.c_storage}* __restrict__"
+                self.params.append(Arg("in", ctype, read.param, operand=buffers.index(read)))
+        self.params.append(Arg("size", self.index, "num_outer", self.space.num_outer))
+        self.params.append(Arg("size", self.index, "num_inner", self.space.num_inner))
+        self._outer_math(out_views)
+        self.outer_lines.extend(self._scalar_statements(0))
+        depth = max(self.level.values(), default=0)
+        for number in range(1, depth + 1):
+            self.passes.append(self._pass(number))
+        self.final = self._final_pass(out_views)
+        return Lowered(self._spec(depth), tuple(r.base for r in buffers), tuple(self.group.outputs),
+                       prod(self.shape), self._blocks())  # fmt: skip
+
+    def _param(self, kind, name, value) -> str:
+        if all(arg.name != name for arg in self.params):
+            self.params.append(Arg(kind, self.index, name, value))
+        return name
+
+    def _blocks(self) -> int:
+        if self.space.block_mode:
+            return self.space.num_outer
+        return -(-self.space.num_outer // THREAD_BLOCK)
+
+    # --- index math ---------------------------------------------------------------------
+    def _decompose(self, lines, variable, sizes, prefix):
+        if len(sizes) <= 1:
+            return [variable] * len(sizes)
+        lines.append(f"{self.index} {prefix}_rest = {variable};")
+        names = []
+        for axis in range(len(sizes) - 1, 0, -1):
+            self._param("size", f"{prefix}_size{axis}", sizes[axis])
+            lines.append(f"const {self.index} {prefix}{axis} = {prefix}_rest % {prefix}_size{axis}; "
+                         f"{prefix}_rest /= {prefix}_size{axis};")  # fmt: skip
+            names.append(f"{prefix}{axis}")
+        lines.append(f"const {self.index} {prefix}0 = {prefix}_rest;")
+        return [f"{prefix}0"] + list(reversed(names))
+
+    def _linear(self, name, strides, indices, literal_unit=True) -> str:
+        terms = []
+        for axis, stride in enumerate(strides):
+            if stride == 0:
+                continue
+            if stride == 1 and literal_unit:
+                terms.append(indices[axis])
+                continue
+            self._param("stride", f"{name}_s{axis}", stride)
+            terms.append(f"{indices[axis]} * {name}_s{axis}")
+        return " + ".join(terms) or "0"
+
+    def _outer_math(self, out_views):
+        lines = self.outer_lines
+        self.outer_index = self._decompose(lines, "outer", self.space.outer_sizes, "o")
+        for position, read in enumerate(self.reads):
+            strides = self.space.outer_strides[position]
+            offset = self._linear(f"{read.param}_o", strides, self.outer_index)
+            if read.view.offset:
+                self._param("size", f"{read.param}_offset", read.view.offset)
+                offset += f" + {read.param}_offset"
+            lines.append(f"const {self.index} {read.param}_outer = {offset};")
+        base = len(self.reads)
+        for position in range(len(self.group.outputs)):
+            strides = self.space.outer_strides[base + position]
+            offset = self._linear(f"out{position}_o", strides, self.outer_index)
+            lines.append(f"const {self.index} out{position}_outer = {offset};")
+        for read in self.reads:
+            if read.top.shape == self.kept or read.top.shape != self.shape:
+                self.scalar_values[id(read.top)] = self._scalar_read(read)
+
+    def _scalar_read(self, read: Read) -> str:
+        name = f"s_{read.param}"
+        ctype = read.top.dtype.c_compute
+        if read.generated:
+            value = generated_expression(read.base, f"{read.param}_outer", self.helpers)
+        else:
+            value = load(read.base.dtype, f"{read.param}[{read.param}_outer]")
+        self.outer_lines.append(f"const {ctype} {name} = {value};")
+        return name
+
+    def _inner_lines(self, lines):
+        indices = self._decompose(lines, "inner", self.space.inner_sizes, "r")
+        for position, read in enumerate(self.reads):
+            if id(read.top) in self.scalar_values:
+                continue
+            offset = self._linear(f"{read.param}_r", self.space.inner_strides[position], indices)
+            lines.append(f"const {self.index} {read.param}_at = {read.param}_outer + {offset};")
+        return indices
+
+    # --- passes ---------------------------------------------------------------------------
+    def _row_statements(self, lines, targets, values):
+        """Statements computing the row values ``targets`` need, inputs first."""
+        needed: set[int] = set()
+        stack = list(targets)
+        while stack:
+            node = stack.pop()
+            node = self.aliases.get(id(node), node)
+            if id(node) in needed or id(node) not in self.members or not self._is_row(node):
+                continue
+            needed.add(id(node))
+            stack.extend(node.inputs)
+        for read in self.reads:
+            if id(read.top) in self.scalar_values:
+                values[id(read.top)] = self.scalar_values[id(read.top)]
+                continue
+            ctype = read.top.dtype.c_compute
+            name = f"x_{read.param}"
+            if read.generated:
+                value = generated_expression(read.base, f"{read.param}_at", self.helpers)
+            else:
+                value = load(read.base.dtype, f"{read.param}[{read.param}_at]")
+            lines.append(f"const {ctype} {name} = {value};")
+            values[id(read.top)] = name
+        for node in self.group.nodes:
+            if id(node) in needed and get_op(node.op).kind == "elementwise":
+                name = f"t{len(values)}"
+                arguments = [self._value(child, values) for child in node.inputs]
+                lines.append(f"const {node.dtype.c_compute} {name} = "
+                             f"{op_expression(node, arguments, self.helpers)};")  # fmt: skip
+                values[id(node)] = name
+
+    def _value(self, node, values) -> str:
+        if node.op == "const":
+            return const_literal(node)
+        node = self.aliases.get(id(node), node)
+        if id(node) in values:
+            return values[id(node)]
+        return self.scalar_values[id(node)]
+
+    def _pass(self, number) -> dict:
+        reduces = [n for n in self.group.nodes if get_op(n.op).kind == "reduce" and self.level[id(n)] == number]
+        init, body, finish = [], [], []
+        self._inner_lines(body)
+        values: dict[int, str] = {}
+        self._row_statements(body, [node.inputs[0] for node in reduces], values)
+        accumulators = []
+        for node in reduces:
+            name = f"acc{len(self.scalar_values)}"
+            op = get_op(node.op)
+            ctype, letter = _accumulator(node)
+            identity = op.cuda["identity"][letter]
+            self.helpers.need(op.helpers)
+            init.append(f"{ctype} {name} = {identity};")
+            value = self._value(node.inputs[0], values)
+            body.append(f"{name} = {op.cuda['combine'].format(name, f'({ctype}){value}')};")
+            shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
+            accumulators.append((name, ctype, identity, op.cuda["combine"].format(name, shuffled)))
+            self.scalar_values[id(node)] = name
+        finish.extend(self._scalar_statements(number))
+        return {"init": init, "body": body, "accumulators": accumulators, "finish": finish}
+
+    def _scalar_statements(self, number) -> list[str]:
+        lines = []
+        for node in self.group.nodes:
+            if id(node) in self.scalar_values or node.op in MOVEMENT_OPS or node.op == "const":
+                continue
+            kind = get_op(node.op).kind
+            if self._is_row(node) or kind in ("reduce", "leaf") or self.level[id(node)] != number:
+                continue
+            name = f"s{len(self.scalar_values)}"
+            arguments = [self._value(child, {}) for child in node.inputs]
+            lines.append(f"const {node.dtype.c_compute} {name} = "
+                         f"{op_expression(node, arguments, self.helpers)};")  # fmt: skip
+            self.scalar_values[id(node)] = name
+        return lines
+
+    def _final_pass(self, out_views) -> dict:
+        rows = [o for o in self.group.outputs if o.shape == self.shape]
+        body, scalars = [], []
+        if rows:
+            indices = self._inner_lines(body)
+            values: dict[int, str] = {}
+            self._row_statements(body, rows, values)
+            for position, output in enumerate(self.group.outputs):
+                if output.shape != self.shape:
+                    continue
+                strides = self.space.inner_strides[len(self.reads) + position]
+                offset = self._linear(f"out{position}_r", strides, indices)
+                value = store(output.dtype, self._value(output, values))
+                body.append(f"out{position}[out{position}_outer + {offset}] = {value};")
+        for position, output in enumerate(self.group.outputs):
+            if output.shape != self.shape:
+                value = store(output.dtype, self._value(output, {}))
+                scalars.append(f"out{position}[out{position}_outer] = {value};")
+        return {"body": body, "scalars": scalars}
+
+    def _spec(self, depth) -> KernelSpec:
+        block = _block_size(self.space.num_inner) if self.space.block_mode else THREAD_BLOCK
+        extras = {
+            "mode": "block" if self.space.block_mode else "thread",
+            "outer": tuple(self.outer_lines),
+            "passes": tuple(
+                (tuple(p["init"]), tuple(p["body"]), tuple(p["accumulators"]), tuple(p["finish"]))
+                for p in self.passes
+            ),
+            "final_body": tuple(self.final["body"]),
+            "final_scalars": tuple(self.final["scalars"]),
+        }
+        digest = hashlib.sha256(repr((self.index, block, self.params, extras, self.helpers.sources)).encode()).hexdigest()[:10]
+        return KernelSpec(
+            name=f"flame_reduce_{kernel_stem(self.group)}_{digest}", template="reduce.cu.j2",
+            index_type=self.index, vec=1, block=block, params=tuple(self.params),
+            header=header(self.group), helpers=tuple(self.helpers.sources), setup=(),
+            prologue=(), body=(), epilogue=(), extras=extras,
+        )  # fmt: skip
+
+
+def _accumulator(node) -> tuple[str, str]:
+    """C type and identity key of a reduction's accumulator."""
+    source = node.inputs[0].dtype
+    if source.is_float:
+        return "float", "f"
+    if node.op in ("reduce_sum", "reduce_prod"):
+        return "long long", "i"
+    if source.is_bool:
+        return "int", "b"
+    return source.c_compute, ("i32" if source is dtypes.int32 else "i")

@@ -1,0 +1,167 @@
+"""Indexing with integer tensors, as in PyTorch: ``gather``, ``index_select``,
+``take_along_dim``, ``scatter_add``, ``embedding``, ``one_hot``, ``masked_fill`` and
+``index_tensor`` (``x[idx]`` for an integer tensor ``idx``).
+
+Index tensors are int32 or int64. Shape, dtype and dim errors are raised when the op is
+built. Out-of-range indices raise ``IndexError`` on the reference backend; on the GPU they
+are not checked but never read or write outside the tensor: gathers give 0 there,
+``scatter_add`` drops the contribution, ``one_hot`` gives a zero row (see
+``flame/ir/ops/indexing.py``). ``masked_fill`` is elementwise (a ``where``) and fuses with its
+neighbours; the others are library ops, fusion boundaries.
+"""
+
+from __future__ import annotations
+
+from flame import creation
+from flame.backend import backend as use_backend
+from flame.functional import where
+from flame.ir import dtypes
+from flame.ir.ops import indexing as _declarations  # noqa: F401  (registers the ops)
+from flame.ir.shapes import ShapeError, broadcast_shapes
+from flame.linalg import at_user_line
+from flame.tensor import Tensor, apply_op
+
+
+def _check_tensors(op: str, **values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, Tensor):
+            raise at_user_line(
+                TypeError(f"{op}: {name} must be a flame.Tensor, got {type(value).__name__}")
+            )
+
+
+def _dim(op: str, dim, rank: int) -> int:
+    """``dim`` in ``[0, rank)``; negative dims count from the end."""
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise at_user_line(TypeError(f"{op}: dim must be an int, got {dim!r}"))
+    dim = dim.__index__()
+    if not -rank <= dim < rank:
+        raise at_user_line(IndexError(f"{op}: dim {dim} is out of range for a {rank}-d input"))
+    return dim % rank
+
+
+def gather(input: Tensor, dim: int, index: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
+    """``out[i][j][k] = input[i][index[i][j][k]][k]`` for ``dim=1`` (``torch.gather``): ``index``
+    has ``input``'s rank and is no larger than it on the other dims; ``out`` has its shape."""
+    _check_tensors("gather", input=input, index=index)
+    return apply_op("gather", input, index, dim=_dim("gather", dim, input.ndim))
+
+
+def index_select(input: Tensor, dim: int, index: Tensor) -> Tensor:  # noqa: A002
+    """The entries of ``input`` along ``dim`` named by the 1-d ``index``, in its order."""
+    _check_tensors("index_select", input=input, index=index)
+    return apply_op("index_select", input, index, dim=_dim("index_select", dim, input.ndim))
+
+
+def take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None) -> Tensor:  # noqa: A002
+    """``numpy.take_along_axis``: ``input`` and ``indices`` broadcast on every dim but
+    ``dim``; with ``dim=None`` both are flattened. Negative indices count from the end."""
+    _check_tensors("take_along_dim", input=input, indices=indices)
+    if dim is not None:
+        dim = _dim("take_along_dim", dim, input.ndim)
+    return apply_op("take_along_dim", input, indices, dim=dim)
+
+
+def scatter_add(input: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:  # noqa: A002
+    """A copy of ``input`` with ``out[index[i][j]][j] += src[i][j]`` (``dim=0``) for every
+    position of ``index``; repeated indices add up. ``input`` and ``src`` share one dtype.
+    On the GPU float16/bfloat16 accumulate in float32 and round once; float sums may differ
+    in the last bits between runs (atomic additions in any order)."""
+    _check_tensors("scatter_add", input=input, index=index, src=src)
+    dim = _dim("scatter_add", dim, input.ndim)
+    return apply_op("scatter_add", input, index, src, dim=dim)
+
+
+def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:  # noqa: A002
+    """Rows of ``weight [num_embeddings, dim]`` named by the integer ``input``: shape
+    ``input.shape + [dim]`` (``torch.nn.functional.embedding``). ``padding_idx`` only changes
+    the gradient (that row gets none), as in PyTorch."""
+    _check_tensors("embedding", input=input, weight=weight)
+    if padding_idx is not None and weight.ndim == 2:
+        rows = weight.shape[0]
+        if not -rows <= padding_idx < rows:
+            raise at_user_line(
+                ValueError(f"embedding: padding_idx {padding_idx} is out of range for {rows} rows")
+            )
+        padding_idx %= rows
+    return apply_op("embedding", input, weight, padding_idx=padding_idx)
+
+
+def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 ``tensor.shape + [num_classes]`` with a 1 at each label. ``num_classes=-1``
+    means ``tensor.max() + 1``, which needs the values: it realizes ``tensor`` (a GPU sync);
+    pass ``num_classes`` to keep the graph lazy."""
+    _check_tensors("one_hot", tensor=tensor)
+    if tensor.dtype not in (dtypes.int32, dtypes.int64):
+        raise at_user_line(
+            TypeError(f"one_hot: needs an int32 or int64 tensor, got {tensor.dtype.name}")
+        )
+    if num_classes == -1:
+        if tensor.numel() == 0:
+            raise at_user_line(ValueError("one_hot: cannot infer num_classes from an empty tensor"))
+        num_classes = int(tensor.numpy().max()) + 1
+    return apply_op("one_hot", tensor, num_classes=num_classes)
+
+
+def _scalar_as(value, dtype: dtypes.DType):
+    """A Python number converted to ``dtype``'s kind, so ``where`` keeps ``dtype``
+    (``int_tensor.masked_fill(mask, 1.5)`` fills 1, as PyTorch does)."""
+    if dtype.is_bool:
+        return bool(value)
+    if dtype.is_int:
+        return int(value)
+    return float(value)
+
+
+def masked_fill(input: Tensor, mask: Tensor, value) -> Tensor:  # noqa: A002
+    """``input`` with ``value`` where the bool ``mask`` (broadcast to ``input``'s shape) is
+    true. Elementwise: it fuses with the ops around it."""
+    _check_tensors("masked_fill", input=input, mask=mask)
+    if not mask.dtype.is_bool:
+        raise at_user_line(TypeError(f"masked_fill: mask must be bool, got {mask.dtype.name}"))
+    try:
+        shape = broadcast_shapes("masked_fill", mask.shape, input.shape)
+    except ShapeError as error:
+        raise at_user_line(error) from None
+    if shape != input.shape:
+        raise at_user_line(
+            ShapeError(
+                f"masked_fill: mask {list(mask.shape)} does not broadcast to input "
+                f"{list(input.shape)}"
+            )
+        )
+    if isinstance(value, Tensor):
+        if value.ndim != 0:
+            raise at_user_line(
+                ShapeError(
+                    f"masked_fill: value must be a number or a 0-d tensor, got {list(value.shape)}"
+                )
+            )
+        value = value.to(input.dtype)
+    else:
+        value = _scalar_as(value, input.dtype)
+    return where(mask, value, input)
+
+
+def index_tensor(x: Tensor, index) -> Tensor:
+    """``x[index]`` for an integer ``index`` (a tensor, or a list / NumPy array made into one
+    on ``x``'s backend): shape ``index.shape + x.shape[1:]``; negative entries count from
+    the end."""
+    _check_tensors("index_tensor", x=x)
+    if not isinstance(index, Tensor):
+        with use_backend(x.backend):
+            index = creation.tensor(index)
+    return apply_op("index_tensor", x, index)
+
+
+for _name, _function in (
+    ("gather", gather), ("index_select", index_select), ("take_along_dim", take_along_dim),
+    ("scatter_add", scatter_add), ("masked_fill", masked_fill),
+):  # fmt: skip
+    if _name not in Tensor.__dict__:
+        setattr(Tensor, _name, _function)
+
+__all__ = [
+    "embedding", "gather", "index_select", "index_tensor", "masked_fill", "one_hot",
+    "scatter_add", "take_along_dim",
+]  # fmt: skip

@@ -1,0 +1,272 @@
+"""Indexing ops: gathers (``gather``, ``index_select``, ``take_along_dim``, ``embedding``,
+``index_tensor``), ``scatter_add`` and ``one_hot``.
+
+Every op here is a library op (a fusion boundary) whose index inputs are int32 or int64 and
+whose ``dim`` attribute is already normalized (``0 <= dim < rank``) by ``flame/indexing.py``.
+
+Out-of-range indices: the references raise ``IndexError`` naming the op, the dim and the
+first offending value. On the GPU (``flame/runtime/library_indexing.py``) nothing is
+checked, but nothing outside the input is touched either: a gather reads 0 (zero bits: 0,
+0.0, False) for an out-of-range index, ``scatter_add`` drops that contribution and
+``one_hot`` writes a row of zeros. Negative indices count from the end only where PyTorch
+does that too (``take_along_dim``, ``index_tensor``, i.e. ``x[idx]``); elsewhere they are out
+of range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.ir import dtypes
+from flame.ir.ops.registry import def_op
+from flame.ir.shapes import ShapeError, broadcast_shapes
+
+INDEX_DTYPES = (dtypes.int32, dtypes.int64)
+
+
+def checked_index(op: str, index: np.ndarray, size: int, dim, wrap: bool = False) -> np.ndarray:
+    """``index`` as non-negative positions; IndexError names the first out-of-range value."""
+    index = np.asarray(index)
+    low = -size if wrap else 0
+    bad = (index < low) | (index >= size)
+    if bad.any():
+        value = index[bad].flat[0]
+        where = "the flattened input" if dim is None else f"dim {dim}"
+        raise IndexError(f"{op}: index {value} is out of bounds for {where} with size {size}")
+    if wrap:
+        index = np.where(index < 0, index + size, index)
+    return index.astype(np.intp)
+
+
+def _shown(node) -> str:
+    return f"{node.dtype.name}{list(node.shape)}"
+
+
+def _check_index(op: str, index, what: str = "index") -> None:
+    if index.dtype not in INDEX_DTYPES:
+        hint = (
+            "; a bool mask selects a data-dependent number of elements"
+            if index.dtype.is_bool
+            else ""
+        )
+        raise TypeError(f"{op}: {what} must be int32 or int64, got {_shown(index)}{hint}")
+
+
+def _check_dim(op: str, dim, rank: int) -> int:
+    if not isinstance(dim, int) or not 0 <= dim < rank:
+        raise IndexError(f"{op}: dim {dim} is out of range for a {rank}-d input")
+    return dim
+
+
+def _check_not_larger(op: str, index, other, skip, what: str) -> None:
+    for axis, (size, limit) in enumerate(zip(index.shape, other.shape, strict=True)):
+        if axis != skip and size > limit:
+            raise ShapeError(
+                f"{op}: index {_shown(index)} is larger than {what} {_shown(other)} at dim {axis} "
+                f"({size} > {limit})"
+            )
+
+
+def _check_ranks(op: str, *nodes) -> None:
+    if len({len(node.shape) for node in nodes}) > 1:
+        shown = ", ".join(_shown(node) for node in nodes)
+        raise ShapeError(f"{op}: inputs must have the same number of dims, got {shown}")
+
+
+# --- gather ----------------------------------------------------------------------------------
+
+
+def _gather_rule(inputs, attrs):
+    source, index = inputs
+    _check_index("gather", index)
+    _check_ranks("gather", source, index)
+    dim = _check_dim("gather", attrs["dim"], len(source.shape))
+    _check_not_larger("gather", index, source, dim, "input")
+    return source.dtype, index.shape
+
+
+def _gather_ref(source, index, dim=0):
+    index = checked_index("gather", index, source.shape[dim], dim)
+    trimmed = tuple(
+        slice(None) if axis == dim else slice(0, size) for axis, size in enumerate(index.shape)
+    )
+    return np.take_along_axis(source[trimmed], index, axis=dim)
+
+
+def_op(
+    "gather", "library", 2, ref=_gather_ref, shape_rule=_gather_rule, attrs={"dim": 0},
+    doc="out[..., i, ...] = input[..., index[..., i, ...], ...] along dim (torch.gather)",
+)  # fmt: skip
+
+
+# --- index_select --------------------------------------------------------------------------
+
+
+def _index_select_rule(inputs, attrs):
+    source, index = inputs
+    _check_index("index_select", index)
+    if len(index.shape) > 1:
+        raise ShapeError(f"index_select: index must be 0-d or 1-d, got {_shown(index)}")
+    dim = _check_dim("index_select", attrs["dim"], len(source.shape))
+    shape = list(source.shape)
+    shape[dim] = index.numel
+    return source.dtype, tuple(shape)
+
+
+def _index_select_ref(source, index, dim=0):
+    index = checked_index("index_select", index, source.shape[dim], dim).reshape(-1)
+    return np.take(source, index, axis=dim)
+
+
+def_op(
+    "index_select", "library", 2, ref=_index_select_ref, shape_rule=_index_select_rule,
+    attrs={"dim": 0}, doc="the entries index names along dim (torch.index_select)",
+)  # fmt: skip
+
+
+# --- take_along_dim -------------------------------------------------------------------------
+
+
+def take_along_shapes(source_shape, index_shape, dim):
+    """(result shape, source shape, index shape) of take_along_dim with broadcasting: every
+    axis but ``dim`` broadcasts; the result has the index's size along ``dim``."""
+    source_rest = tuple(1 if axis == dim else size for axis, size in enumerate(source_shape))
+    index_rest = tuple(1 if axis == dim else size for axis, size in enumerate(index_shape))
+    shape = list(broadcast_shapes("take_along_dim", source_rest, index_rest))
+    source_target, index_target = list(shape), list(shape)
+    source_target[dim], index_target[dim] = source_shape[dim], index_shape[dim]
+    shape[dim] = index_shape[dim]
+    return tuple(shape), tuple(source_target), tuple(index_target)
+
+
+def _take_along_rule(inputs, attrs):
+    source, index = inputs
+    _check_index("take_along_dim", index)
+    dim = attrs.get("dim")
+    if dim is None:
+        return source.dtype, (index.numel,)
+    _check_ranks("take_along_dim", source, index)
+    dim = _check_dim("take_along_dim", dim, len(source.shape))
+    return source.dtype, take_along_shapes(source.shape, index.shape, dim)[0]
+
+
+def _take_along_ref(source, index, dim=None):
+    if dim is None:
+        flat = source.reshape(-1)
+        return flat[checked_index("take_along_dim", index, flat.size, None, wrap=True).reshape(-1)]
+    _, source_shape, index_shape = take_along_shapes(source.shape, index.shape, dim)
+    index = checked_index("take_along_dim", index, source.shape[dim], dim, wrap=True)
+    source, index = np.broadcast_to(source, source_shape), np.broadcast_to(index, index_shape)
+    return np.take_along_axis(source, index, axis=dim)
+
+
+def_op(
+    "take_along_dim", "library", 2, ref=_take_along_ref, shape_rule=_take_along_rule,
+    attrs={"dim": None}, doc="numpy.take_along_axis with broadcasting (torch.take_along_dim)",
+)  # fmt: skip
+
+
+# --- scatter_add ----------------------------------------------------------------------------
+
+
+def _scatter_add_rule(inputs, attrs):
+    target, index, source = inputs
+    _check_index("scatter_add", index)
+    if target.dtype is not source.dtype:
+        raise TypeError(
+            f"scatter_add: input and src must share one dtype, got {_shown(target)} and "
+            f"{_shown(source)}"
+        )
+    if target.dtype.is_bool:
+        raise TypeError(f"scatter_add: not defined for bool (input {_shown(target)})")
+    _check_ranks("scatter_add", target, index, source)
+    dim = _check_dim("scatter_add", attrs["dim"], len(target.shape))
+    _check_not_larger("scatter_add", index, source, None, "src")
+    _check_not_larger("scatter_add", index, target, dim, "input")
+    return target.dtype, target.shape
+
+
+def _scatter_add_ref(target, index, source, dim=0):
+    index = checked_index("scatter_add", index, target.shape[dim], dim)
+    out = np.array(target, copy=True)
+    coordinates = list(np.indices(index.shape, sparse=True))
+    coordinates[dim] = index
+    np.add.at(out, tuple(coordinates), source[tuple(slice(0, size) for size in index.shape)])
+    return out
+
+
+def_op(
+    "scatter_add", "library", 3, ref=_scatter_add_ref, shape_rule=_scatter_add_rule,
+    attrs={"dim": 0}, categories="if",
+    doc="out = input; out[..., index[..., i, ...], ...] += src[..., i, ...] (torch.scatter_add)",
+)  # fmt: skip
+
+
+# --- embedding, x[idx] ----------------------------------------------------------------------
+
+
+def _embedding_rule(inputs, attrs):
+    index, weight = inputs
+    _check_index("embedding", index, "input")
+    if len(weight.shape) != 2:
+        raise ShapeError(
+            f"embedding: weight must be 2-d [num_embeddings, dim], got {_shown(weight)}"
+        )
+    return weight.dtype, tuple(index.shape) + (weight.shape[1],)
+
+
+def _embedding_ref(index, weight, padding_idx=None):
+    # padding_idx only changes the gradient (that row gets none), never the forward value
+    return weight[checked_index("embedding", index, weight.shape[0], 0)]
+
+
+def_op(
+    "embedding", "library", 2, ref=_embedding_ref, shape_rule=_embedding_rule,
+    attrs={"padding_idx": None},
+    doc="rows of weight named by input (torch.nn.functional.embedding)",
+)  # fmt: skip
+
+
+def _index_tensor_rule(inputs, attrs):
+    source, index = inputs
+    _check_index("index_tensor", index)
+    if not source.shape:
+        raise ShapeError(f"index_tensor: cannot index a 0-d tensor ({_shown(source)})")
+    return source.dtype, tuple(index.shape) + tuple(source.shape[1:])
+
+
+def _index_tensor_ref(source, index):
+    return source[checked_index("index_tensor", index, source.shape[0], 0, wrap=True)]
+
+
+def_op(
+    "index_tensor", "library", 2, ref=_index_tensor_ref, shape_rule=_index_tensor_rule,
+    doc="x[idx] for an integer tensor idx along dim 0 (negative entries count from the end)",
+)  # fmt: skip
+
+
+# --- one_hot --------------------------------------------------------------------------------
+
+
+def _one_hot_rule(inputs, attrs):
+    (labels,) = inputs
+    _check_index("one_hot", labels, "tensor")
+    classes = attrs["num_classes"]
+    if not isinstance(classes, int) or classes < 0:
+        raise ValueError(f"one_hot: num_classes must be a non-negative int, got {classes!r}")
+    return dtypes.int64, tuple(labels.shape) + (classes,)
+
+
+def _one_hot_ref(labels, num_classes=0):
+    bad = (labels < 0) | (labels >= num_classes)
+    if bad.any():
+        value = labels[bad].flat[0]
+        raise IndexError(f"one_hot: class {value} is out of range for num_classes={num_classes}")
+    return (labels[..., None] == np.arange(num_classes)).astype(np.int64)
+
+
+def_op(
+    "one_hot", "library", 1, ref=_one_hot_ref, shape_rule=_one_hot_rule,
+    attrs={"num_classes": 0}, categories="i", differentiable=False,
+    doc="int64 [..., num_classes] with a 1 at each label (torch.nn.functional.one_hot)",
+)  # fmt: skip

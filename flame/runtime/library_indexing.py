@@ -1,0 +1,166 @@
+"""The indexing ops on the GPU (semantics and out-of-range behaviour: ``flame/ir/ops/indexing.py``).
+
+Every gather-like op is the one strided gather kernel of ``indexing_kernels.py`` with its
+own per-axis strides, so transposed or broadcast inputs are read where they lie.
+``scatter_add`` copies the input into an accumulator and adds with atomics: float32, int32
+and int64 accumulate in their own type; float16 and bfloat16 accumulate in float32 and are
+rounded once at the end (as the reference does: it lifts them to float32). The order of the
+atomic additions varies from run to run, so float results may differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.ir import dtypes
+from flame.ir.node import Node
+from flame.ir.ops.indexing import take_along_shapes
+from flame.runtime import indexing_kernels as kernels
+from flame.runtime.library import implements
+
+
+def _strides(array) -> list[int]:
+    return [stride // array.itemsize for stride in array.strides]
+
+
+def run_gather(source, index, shape, index_strides, source_strides, dim, wrap=False):
+    """``out[p] = source[sum(p * source_strides) + index[sum(p * index_strides)] * stride]``
+    over the result positions ``p``; ``dim`` is (size, stride) of the indexed source axis."""
+    import cupy
+
+    out = cupy.empty(tuple(shape), dtype=source.dtype)
+    if out.size == 0:
+        return out
+    dim_size, dim_stride = dim
+    sizes, (index_strides, source_strides) = kernels.collapse(shape, index_strides, source_strides)
+    offset = kernels.offset_type(out.size, sizes, (index_strides, source_strides),
+                                 extra=max(dim_size - 1, 0) * abs(dim_stride))  # fmt: skip
+    function = kernels.kernel("gather", len(sizes), source.itemsize, index.dtype.name, offset)
+    arguments = [source, index, out, kernels.scalar(offset, out.size), np.int64(dim_size)]
+    arguments += [kernels.scalar(offset, dim_stride), np.int32(wrap)]
+    for size, index_stride, source_stride in zip(sizes, index_strides, source_strides, strict=True):
+        arguments += [
+            kernels.scalar(offset, value) for value in (size, index_stride, source_stride)
+        ]
+    kernels.launch(function, out.size, arguments)
+    return out
+
+
+@implements("gather")
+def gather(node: Node, arrays):
+    source, index = arrays
+    dim = node.attr("dim", 0)
+    source_strides = _strides(source)
+    dim_stride, source_strides[dim] = source_strides[dim], 0
+    return run_gather(source, index, node.shape, _strides(index), source_strides,
+                      (source.shape[dim], dim_stride))  # fmt: skip
+
+
+@implements("index_select")
+def index_select(node: Node, arrays):
+    source, index = arrays
+    dim = node.attr("dim", 0)
+    source_strides = _strides(source)
+    dim_stride, source_strides[dim] = source_strides[dim], 0
+    index_strides = [0] * len(node.shape)
+    index_strides[dim] = _strides(index)[0] if index.ndim else 0
+    return run_gather(source, index, node.shape, index_strides, source_strides,
+                      (source.shape[dim], dim_stride))  # fmt: skip
+
+
+@implements("take_along_dim")
+def take_along_dim(node: Node, arrays):
+    import cupy
+
+    source, index = arrays
+    dim = node.attr("dim")
+    if dim is None:
+        flat_source, flat_index = source.reshape(-1), index.reshape(-1)
+        dim_axis = (flat_source.size, _strides(flat_source)[0] if flat_source.size else 1)
+        return run_gather(flat_source, flat_index, node.shape, _strides(flat_index), [0],
+                          dim_axis, wrap=True)  # fmt: skip
+    _, source_shape, index_shape = take_along_shapes(source.shape, index.shape, dim)
+    source = cupy.broadcast_to(source, source_shape)  # stride-0 views, no copies
+    index = cupy.broadcast_to(index, index_shape)
+    source_strides = _strides(source)
+    dim_stride, source_strides[dim] = source_strides[dim], 0
+    return run_gather(source, index, node.shape, _strides(index), source_strides,
+                      (source.shape[dim], dim_stride), wrap=True)  # fmt: skip
+
+
+@implements("embedding")
+def embedding(node: Node, arrays):
+    index, weight = arrays
+    row_stride, column_stride = _strides(weight)
+    index_strides = _strides(index) + [0]
+    source_strides = [0] * index.ndim + [column_stride]
+    return run_gather(weight, index, node.shape, index_strides, source_strides,
+                      (weight.shape[0], row_stride))  # fmt: skip
+
+
+@implements("index_tensor")
+def index_tensor(node: Node, arrays):
+    source, index = arrays
+    strides = _strides(source)
+    index_strides = _strides(index) + [0] * (source.ndim - 1)
+    source_strides = [0] * index.ndim + strides[1:]
+    return run_gather(source, index, node.shape, index_strides, source_strides,
+                      (source.shape[0], strides[0]), wrap=True)  # fmt: skip
+
+
+@implements("one_hot")
+def one_hot(node: Node, arrays):
+    import cupy
+
+    (labels,) = arrays
+    classes = node.attr("num_classes", 0)
+    # an out-of-range label matches no class: its row is all zeros
+    rows = labels.reshape(-1, 1) == cupy.arange(classes, dtype=labels.dtype)
+    return rows.astype(cupy.int64).reshape(node.shape)
+
+
+def _convert(array, source: str, target: str):
+    """A contiguous copy of ``array`` converted between float32 and float16/bfloat16 storage."""
+    import cupy
+
+    array = cupy.ascontiguousarray(array)
+    storage = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[target]
+    out = cupy.empty(array.shape, dtype=storage)
+    if out.size:
+        function = kernels.kernel("convert", source, target)
+        kernels.launch(function, out.size, [array, out, np.int64(out.size)])
+    return out
+
+
+@implements("scatter_add")
+def scatter_add(node: Node, arrays):
+    import cupy
+
+    target, index, source = arrays
+    dim = node.attr("dim", 0)
+    dtype = node.dtype
+    narrow = dtype in (dtypes.float16, dtypes.bfloat16)
+    if narrow:
+        out = _convert(target, dtype.name, "float32")
+    else:
+        out = cupy.array(target, order="C", copy=True)
+    if index.size:
+        _scatter(out, index, source, dim, dtype.name)
+    return _convert(out, "float32", dtype.name) if narrow else out
+
+
+def _scatter(out, index, source, dim: int, dtype_name: str) -> None:
+    out_strides = _strides(out)
+    dim_size, dim_stride = out.shape[dim], out_strides[dim]
+    out_strides[dim] = 0
+    stride_lists = (_strides(index), _strides(source), out_strides)
+    sizes, stride_lists = kernels.collapse(index.shape, *stride_lists)
+    offset = kernels.offset_type(max(index.size, out.size), sizes, stride_lists,
+                                 extra=(dim_size - 1) * dim_stride)  # fmt: skip
+    function = kernels.kernel("scatter_add", len(sizes), dtype_name, index.dtype.name, offset)
+    arguments = [source, index, out, kernels.scalar(offset, index.size), np.int64(dim_size)]
+    arguments.append(kernels.scalar(offset, dim_stride))
+    for axis, size in enumerate(sizes):
+        arguments.append(kernels.scalar(offset, size))
+        arguments += [kernels.scalar(offset, strides[axis]) for strides in stride_lists]
+    kernels.launch(function, index.size, arguments)
