@@ -55,7 +55,8 @@ def index_select(input: Tensor, dim: int, index: Tensor) -> Tensor:  # noqa: A00
 
 def take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None) -> Tensor:  # noqa: A002
     """``numpy.take_along_axis``: ``input`` and ``indices`` broadcast on every dim but
-    ``dim``; with ``dim=None`` both are flattened. Negative indices count from the end."""
+    ``dim``; with ``dim=None`` both are flattened. As in PyTorch, negative indices count from
+    the end along a given ``dim`` but are out of range with ``dim=None``."""
     _check_tensors("take_along_dim", input=input, indices=indices)
     if dim is not None:
         dim = _dim("take_along_dim", dim, input.ndim)

@@ -28,13 +28,17 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
 
 THREAD_BLOCK = 256
+THREAD_LANES = 8  # a thread issues 8 loads before it adds any: latency hidden
+VECTOR_LANES = 4  # block mode: 16-byte loads of float32 rows
+MAX_CACHE_ITEMS = 8  # a row of up to block * lanes * 8 values stays in registers
 
 
-def _block_size(inner: int) -> int:
-    for size in (1024, 512, 256):
-        if inner >= 4 * size:
+def _block_size(inner: int, lanes: int) -> int:
+    """The smallest block that keeps a row in at most 4 chunks per thread (1024 at most)."""
+    for size in (128, 256, 512):
+        if inner <= size * lanes * 4:
             return size
-    return 128
+    return 1024
 
 
 class _Space:
@@ -124,12 +128,59 @@ class _ReduceWriter:
         self.params.append(Arg("size", self.index, "num_inner", self.space.num_inner))
         self._outer_math(out_views)
         self.outer_lines.extend(self._scalar_statements(0))
+        self._choose_layout()
+        self.cache_declarations: list[str] = []
+        self.cache_load_lines = self._cache_loads() if self.items else []
         depth = max(self.level.values(), default=0)
         for number in range(1, depth + 1):
             self.passes.append(self._pass(number))
         self.final = self._final_pass(out_views)
         return Lowered(self._spec(depth), tuple(r.base for r in buffers), tuple(self.group.outputs),
                        prod(self.shape), self._blocks())  # fmt: skip
+
+    def _choose_layout(self) -> None:
+        """Lanes per chunk, vector loads, block size and the row cache (see module doc)."""
+        space = self.space
+        self.vector_reads, self.vector_outputs, self.items = {}, False, 0
+        if not space.block_mode:
+            self.lanes = THREAD_LANES if len(space.inner_sizes) == 1 else 1
+            self.block = THREAD_BLOCK
+            return
+        self.lanes = 1
+        single = len(space.inner_sizes) == 1
+        if single and space.num_inner % VECTOR_LANES == 0 and self._vectorizable():
+            self.lanes = VECTOR_LANES
+        self.block = _block_size(space.num_inner, self.lanes)
+        items = -(-space.num_inner // (self.block * self.lanes))
+        row_reads = [r for r in self.reads if id(r.top) not in self.scalar_values and not r.generated]
+        # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
+        fits = items * self.lanes * len(row_reads) <= 96 and self.block <= 512
+        if single and items <= MAX_CACHE_ITEMS and fits:
+            self.items = items
+
+    def _vectorizable(self) -> bool:
+        for position, read in enumerate(self.reads):
+            if id(read.top) in self.scalar_values or read.generated:
+                continue
+            inner = self.space.inner_strides[position][0]
+            outer = self.space.outer_strides[position]
+            if inner not in (0, 1) or not read.aligned:
+                return False
+            if inner == 1:
+                if read.view.offset % VECTOR_LANES or any(s % VECTOR_LANES for s in outer):
+                    return False
+                self.vector_reads[id(read)] = True
+        base = len(self.reads)
+        for position, output in enumerate(self.group.outputs):
+            if output.shape == self.shape:
+                inner = self.space.inner_strides[base + position][0]
+                outer = self.space.outer_strides[base + position]
+                if inner != 1 or any(s % VECTOR_LANES for s in outer):
+                    self.vector_reads.clear()
+                    self.vector_outputs = False
+                    return False
+                self.vector_outputs = True
+        return True
 
     def _param(self, kind, name, value) -> str:
         if all(arg.name != name for arg in self.params):
@@ -196,14 +247,80 @@ class _ReduceWriter:
         self.outer_lines.append(f"const {ctype} {name} = {value};")
         return name
 
-    def _inner_lines(self, lines):
-        indices = self._decompose(lines, "inner", self.space.inner_sizes, "r")
+    def _lane_reads(self, chunk_lines, lane_lines, values, cached):
+        """Row reads of one chunk: loads at chunk level (all lanes' loads issued before any
+        arithmetic), values per lane. ``cached``: read them from the row cache instead."""
+        indices = None
         for position, read in enumerate(self.reads):
             if id(read.top) in self.scalar_values:
+                values[id(read.top)] = self.scalar_values[id(read.top)]
                 continue
-            offset = self._linear(f"{read.param}_r", self.space.inner_strides[position], indices)
-            lines.append(f"const {self.index} {read.param}_at = {read.param}_outer + {offset};")
-        return indices
+            name = f"x_{read.param}"
+            ctype = read.top.dtype.c_compute
+            values[id(read.top)] = name
+            if cached and not read.generated:
+                lane_lines.append(f"const {ctype} {name} = cache_{read.param}[item][k];")
+                continue
+            if indices is None:
+                indices = self._decompose(lane_lines, "inner", self.space.inner_sizes, "r")
+            strides = self.space.inner_strides[position]
+            offset = self._linear(f"{read.param}_r", strides, indices)
+            at = f"{read.param}_outer + {offset}"
+            if read.generated:
+                lane_lines.append(f"const {ctype} {name} = "
+                                  f"{generated_expression(read.base, at, self.helpers)};")  # fmt: skip
+                continue
+            lane_lines.append(f"const {ctype} {name} = {load(read.base.dtype, self._raw(read))};")
+            chunk_lines.extend(self._chunk_load(read, position))
+
+    def _raw(self, read: Read) -> str:
+        """Lane k of a read's chunk of raw (storage-typed) values."""
+        if self.vector_reads.get(id(read)):
+            return f"raw_{read.param}.v[k]"
+        return f"raw_{read.param}[k]"
+
+    def _chunk_load(self, read: Read, position) -> list[str]:
+        storage = read.base.dtype.c_storage
+        if self.vector_reads.get(id(read)):
+            vector = f"FlameVec<{storage}, {self.lanes}>"
+            pointer = f"reinterpret_cast<const {vector}*>({read.param} + {read.param}_outer + chunk)"
+            return [f"const {vector} raw_{read.param} = *{pointer};"]
+        strides = self.space.inner_strides[position]
+        if len(self.space.inner_sizes) == 1:
+            step = self._linear(f"{read.param}_r", strides, ["(chunk + j)"])
+            at = f"{read.param}_outer + {step}"
+        else:  # several reduced axes: one lane per chunk, decomposed in the lane code
+            at = f"{read.param}_outer + 0"
+            return self._decomposed_load(read, position)
+        return [
+            f"{storage} raw_{read.param}[{self.lanes}];",
+            "#pragma unroll",
+            f"for (int j = 0; j < {self.lanes}; ++j) "
+            f"raw_{read.param}[j] = chunk + j < num_inner ? {read.param}[{at}] : ({storage})0;",
+        ]
+
+    def _decomposed_load(self, read, position) -> list[str]:
+        lines = [f"{read.base.dtype.c_storage} raw_{read.param}[1];"]
+        indices = self._decompose(lines, "chunk", self.space.inner_sizes, f"c{read.param}_")
+        offset = self._linear(f"{read.param}_r", self.space.inner_strides[position], indices)
+        lines.append(f"raw_{read.param}[0] = {read.param}[{read.param}_outer + {offset}];")
+        return lines
+
+    def _cache_loads(self) -> list[str]:
+        lines = []
+        for position, read in enumerate(self.reads):
+            if id(read.top) in self.scalar_values or read.generated:
+                continue
+            lanes: list[str] = []
+            lines.extend(self._chunk_load(read, position))
+            value = load(read.base.dtype, self._raw(read))
+            lanes.append(f"cache_{read.param}[item][k] = {value};")
+            lines.append("#pragma unroll")
+            lines.append(f"for (int k = 0; k < {self.lanes}; ++k) {lanes[0]}")
+            self.cache_declarations.append(
+                f"{read.top.dtype.c_compute} cache_{read.param}[{self.items}][{self.lanes}];"
+            )
+        return lines
 
     # --- passes ---------------------------------------------------------------------------
     def _row_statements(self, lines, targets, values):
@@ -217,18 +334,6 @@ class _ReduceWriter:
                 continue
             needed.add(id(node))
             stack.extend(node.inputs)
-        for read in self.reads:
-            if id(read.top) in self.scalar_values:
-                values[id(read.top)] = self.scalar_values[id(read.top)]
-                continue
-            ctype = read.top.dtype.c_compute
-            name = f"x_{read.param}"
-            if read.generated:
-                value = generated_expression(read.base, f"{read.param}_at", self.helpers)
-            else:
-                value = load(read.base.dtype, f"{read.param}[{read.param}_at]")
-            lines.append(f"const {ctype} {name} = {value};")
-            values[id(read.top)] = name
         for node in self.group.nodes:
             if id(node) in needed and get_op(node.op).kind == "elementwise":
                 name = f"t{len(values)}"
@@ -246,11 +351,14 @@ class _ReduceWriter:
         return self.scalar_values[id(node)]
 
     def _pass(self, number) -> dict:
-        reduces = [n for n in self.group.nodes if get_op(n.op).kind == "reduce" and self.level[id(n)] == number]
-        init, body, finish = [], [], []
-        self._inner_lines(body)
+        reduces = [
+            n for n in self.group.nodes
+            if get_op(n.op).kind == "reduce" and self.level[id(n)] == number
+        ]  # fmt: skip
+        init, chunk, lane, finish = [], [], [], []
         values: dict[int, str] = {}
-        self._row_statements(body, [node.inputs[0] for node in reduces], values)
+        self._lane_reads(chunk, lane, values, cached=self.items > 0)
+        self._row_statements(lane, [node.inputs[0] for node in reduces], values)
         accumulators = []
         for node in reduces:
             name = f"acc{len(self.scalar_values)}"
@@ -260,12 +368,13 @@ class _ReduceWriter:
             self.helpers.need(op.helpers)
             init.append(f"{ctype} {name} = {identity};")
             value = self._value(node.inputs[0], values)
-            body.append(f"{name} = {op.cuda['combine'].format(name, f'({ctype}){value}')};")
+            lane.append(f"{name} = {op.cuda['combine'].format(name, f'({ctype}){value}')};")
             shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
             accumulators.append((name, ctype, identity, op.cuda["combine"].format(name, shuffled)))
             self.scalar_values[id(node)] = name
         finish.extend(self._scalar_statements(number))
-        return {"init": init, "body": body, "accumulators": accumulators, "finish": finish}
+        return {"init": init, "chunk": chunk, "lane": lane, "accumulators": accumulators,
+                "finish": finish}  # fmt: skip
 
     def _scalar_statements(self, number) -> list[str]:
         lines = []
@@ -284,40 +393,58 @@ class _ReduceWriter:
 
     def _final_pass(self, out_views) -> dict:
         rows = [o for o in self.group.outputs if o.shape == self.shape]
-        body, scalars = [], []
+        chunk, lane, after, scalars = [], [], [], []
         if rows:
-            indices = self._inner_lines(body)
             values: dict[int, str] = {}
-            self._row_statements(body, rows, values)
+            self._lane_reads(chunk, lane, values, cached=self.items > 0)
+            self._row_statements(lane, rows, values)
             for position, output in enumerate(self.group.outputs):
-                if output.shape != self.shape:
-                    continue
-                strides = self.space.inner_strides[len(self.reads) + position]
-                offset = self._linear(f"out{position}_r", strides, indices)
-                value = store(output.dtype, self._value(output, values))
-                body.append(f"out{position}[out{position}_outer + {offset}] = {value};")
+                if output.shape == self.shape:
+                    self._row_store(position, output, values, chunk, lane, after)
         for position, output in enumerate(self.group.outputs):
             if output.shape != self.shape:
                 value = store(output.dtype, self._value(output, {}))
                 scalars.append(f"out{position}[out{position}_outer] = {value};")
-        return {"body": body, "scalars": scalars}
+        return {"chunk": chunk, "lane": lane, "after": after, "scalars": scalars}
+
+    def _row_store(self, position, output, values, chunk, lane, after):
+        value = store(output.dtype, self._value(output, values))
+        strides = self.space.inner_strides[len(self.reads) + position]
+        if self.vector_outputs:
+            vector = f"FlameVec<{output.dtype.c_storage}, {self.lanes}>"
+            chunk.append(f"{vector} store_{position};")
+            lane.append(f"store_{position}.v[k] = {value};")
+            target = f"out{position} + out{position}_outer + chunk"
+            after.append(f"*reinterpret_cast<{vector}*>({target}) = store_{position};")
+            return
+        indices = self._decompose(lane, "inner", self.space.inner_sizes, f"w{position}_")
+        offset = self._linear(f"out{position}_r", strides, indices)
+        lane.append(f"out{position}[out{position}_outer + {offset}] = {value};")
 
     def _spec(self, depth) -> KernelSpec:
-        block = _block_size(self.space.num_inner) if self.space.block_mode else THREAD_BLOCK
         extras = {
             "mode": "block" if self.space.block_mode else "thread",
+            "lanes": self.lanes,
+            "cache_items": self.items,
+            "cache": tuple(self.cache_declarations),
+            "cache_loads": tuple(self.cache_load_lines),
             "outer": tuple(self.outer_lines),
             "passes": tuple(
-                (tuple(p["init"]), tuple(p["body"]), tuple(p["accumulators"]), tuple(p["finish"]))
+                (tuple(p["init"]), tuple(p["chunk"]), tuple(p["lane"]), tuple(p["accumulators"]),
+                 tuple(p["finish"]))
                 for p in self.passes
-            ),
-            "final_body": tuple(self.final["body"]),
+            ),  # fmt: skip
+            "final_chunk": tuple(self.final["chunk"]),
+            "final_lane": tuple(self.final["lane"]),
+            "final_after": tuple(self.final["after"]),
             "final_scalars": tuple(self.final["scalars"]),
         }
-        digest = hashlib.sha256(repr((self.index, block, self.params, extras, self.helpers.sources)).encode()).hexdigest()[:10]
+        code = [(a.kind, a.ctype, a.name) for a in self.params]  # sizes are arguments, not code
+        text = repr((self.index, self.block, code, extras, self.helpers.sources))
+        digest = hashlib.sha256(text.encode()).hexdigest()[:10]
         return KernelSpec(
             name=f"flame_reduce_{kernel_stem(self.group)}_{digest}", template="reduce.cu.j2",
-            index_type=self.index, vec=1, block=block, params=tuple(self.params),
+            index_type=self.index, vec=self.lanes, block=self.block, params=tuple(self.params),
             header=header(self.group), helpers=tuple(self.helpers.sources), setup=(),
             prologue=(), body=(), epilogue=(), extras=extras,
         )  # fmt: skip

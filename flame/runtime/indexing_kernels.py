@@ -93,7 +93,8 @@ def offset_type(total: int, sizes, stride_lists, extra: int = 0) -> str:
         ),
         default=0,
     )
-    return "int" if max(total, largest + extra) <= INT32_LIMIT else "long long"
+    # margin: the grid-stride loop steps ``flat`` past ``total`` by up to one grid
+    return "int" if max(total + 2**24, largest + extra) <= INT32_LIMIT else "long long"
 
 
 def _coordinates(rank: int, names: tuple[str, ...]) -> str:

@@ -78,7 +78,7 @@ def take_along_dim(node: Node, arrays):
         flat_source, flat_index = source.reshape(-1), index.reshape(-1)
         dim_axis = (flat_source.size, _strides(flat_source)[0] if flat_source.size else 1)
         return run_gather(flat_source, flat_index, node.shape, _strides(flat_index), [0],
-                          dim_axis, wrap=True)  # fmt: skip
+                          dim_axis)  # fmt: skip
     _, source_shape, index_shape = take_along_shapes(source.shape, index.shape, dim)
     source = cupy.broadcast_to(source, source_shape)  # stride-0 views, no copies
     index = cupy.broadcast_to(index, index_shape)

@@ -19,7 +19,6 @@ rows times one matrix (``x @ W`` with ``x`` 3-D) becomes a single large GEMM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -66,15 +65,13 @@ def matrix_layout(rows: int, columns: int, row_stride: int, column_stride: int):
     return None
 
 
-def _operand(array, batch: tuple[int, ...]):
+def _operand(array, batch: tuple[int, ...], xp, pointer_of):
     """(Operand, array): the array is copied only when its matrix layout needs it."""
     rows, columns = array.shape[-2:]
     strides = [stride // array.itemsize for stride in array.strides]
     layout = matrix_layout(rows, columns, strides[-2], strides[-1])
     if layout is None or min(strides, default=0) < 0:
-        import cupy
-
-        array = cupy.ascontiguousarray(array)
+        array = xp.ascontiguousarray(array)
         strides = [stride // array.itemsize for stride in array.strides]
         layout = matrix_layout(rows, columns, strides[-2], strides[-1])
     own_batch = array.shape[:-2]
@@ -83,7 +80,7 @@ def _operand(array, batch: tuple[int, ...]):
         0 if axis < lead or own_batch[axis - lead] == 1 else strides[axis - lead]
         for axis in range(len(batch))
     )
-    operand = Operand(array.data.ptr, layout[0], layout[1], batch_strides, rows, strides[-2])
+    operand = Operand(pointer_of(array), layout[0], layout[1], batch_strides, rows, strides[-2])
     return operand, array
 
 
@@ -116,6 +113,96 @@ def _fold_rows(left: Operand, right: Operand, batch, inner: int) -> Operand | No
     return Operand(left.pointer, OP_N, strides[-1], (), left.rows, strides[-1])
 
 
+@dataclass(frozen=True)
+class GemmCall:
+    """One cuBLAS call, column-major: ``C = op(A) @ op(B)`` where ``A`` is the right operand
+    and ``B`` the left one (see the module docstring). Pointers in bytes, the rest in
+    elements; ``count > 1`` makes it a strided-batched call."""
+
+    transpose_a: int
+    transpose_b: int
+    m: int
+    n: int
+    k: int
+    a: int
+    lda: int
+    stride_a: int
+    b: int
+    ldb: int
+    stride_b: int
+    c: int
+    ldc: int
+    stride_c: int
+    count: int
+
+
+def _batch_steps(left: Operand, right: Operand, out, batch):
+    """``(count, (left, right, out) stride, [(left, right, out) offset, ...])``: one
+    strided-batched call per offset triple, over the collapsible suffix of batch axes."""
+    kept = [axis for axis, size in enumerate(batch) if size != 1]
+    sizes = [batch[axis] for axis in kept]
+    out_strides = [stride // out.itemsize for stride in out.strides[:-2]]
+    stride_lists = tuple(
+        [strides[axis] for axis in kept]
+        for strides in (left.batch_strides, right.batch_strides, out_strides)
+    )
+    split = collapse_split(sizes, *stride_lists)
+    count = int(np.prod(sizes[split:], dtype=np.int64))
+    steps = tuple(strides[-1] if strides else 0 for strides in stride_lists)
+    offsets = [
+        # the outer coordinates pair with the first ``split`` strides of each operand
+        tuple(sum(i * s for i, s in zip(outer, strides, strict=False)) for strides in stride_lists)
+        for outer in itertools.product(*(range(size) for size in sizes[:split]))
+    ]
+    return count, steps, offsets
+
+
+def plan_gemms(left, right, out, xp, pointer_of) -> tuple[list[GemmCall], list]:
+    """The cuBLAS calls that compute ``out = left @ right`` (arrays of rank >= 2 whose batch
+    axes broadcast to ``out``'s), and the arrays they read, which must stay alive until the
+    calls have run (copies, where a layout needed one). ``xp`` is the array module (CuPy;
+    NumPy in the CPU tests) and ``pointer_of(array)`` an array's address."""
+    batch = tuple(out.shape[:-2])
+    rows, inner = left.shape[-2:]
+    columns = right.shape[-1]
+    left_operand, left = _operand(left, batch, xp, pointer_of)
+    right_operand, right = _operand(right, batch, xp, pointer_of)
+    out_pointer = pointer_of(out)
+    folded = _fold_rows(left_operand, right_operand, batch, inner)
+    if folded is not None:
+        call = GemmCall(
+            right_operand.transpose, OP_N, columns, out.size // columns, inner,
+            right_operand.pointer, right_operand.leading, 0,
+            folded.pointer, folded.leading, 0, out_pointer, columns, 0, 1,
+        )  # fmt: skip
+        return [call], [left, right]
+    count, (left_step, right_step, out_step), offsets = _batch_steps(
+        left_operand, right_operand, out, batch
+    )
+    item = out.itemsize
+    calls = [
+        GemmCall(
+            right_operand.transpose,
+            left_operand.transpose,
+            columns,
+            rows,
+            inner,
+            right_operand.pointer + right_offset * item,
+            right_operand.leading,
+            right_step,
+            left_operand.pointer + left_offset * item,
+            left_operand.leading,
+            left_step,
+            out_pointer + out_offset * item,
+            columns,
+            out_step,
+            count,
+        )  # fmt: skip
+        for left_offset, right_offset, out_offset in offsets
+    ]
+    return calls, [left, right]
+
+
 @contextlib.contextmanager
 def _math_mode(handle, precision: str, dtype_name: str):
     """Keep TF32 off for float32 "highest" even when the handle was set to allow it
@@ -134,67 +221,24 @@ def _math_mode(handle, precision: str, dtype_name: str):
         cublas.setMathMode(handle, mode)
 
 
-def _check_int(what: str, *values: int) -> None:
-    if max(values) > INT_LIMIT:
-        raise ValueError(f"matmul: {what} {max(values)} exceeds cuBLAS's int range")
+def _issue(call: GemmCall, handle: int, data_type: int, compute_type: int) -> None:
+    from cupy.cuda import cublas
 
-
-@dataclass(frozen=True)
-class Gemm:
-    """One cuBLAS call's fixed arguments: sizes of ``out (M x N) = left (M x K) @ right``."""
-
-    handle: int
-    data_type: int
-    compute_type: int
-    item_size: int
-    rows: int
-    columns: int
-    inner: int
-
-    def run(self, left: Operand, right: Operand, out_pointer, offsets, count, strides):
-        from cupy.cuda import cublas
-
-        left_offset, right_offset, out_offset = (offset * self.item_size for offset in offsets)
-        arguments = (self.handle, right.transpose, left.transpose, self.columns, self.rows,
-                     self.inner, _ONE.ctypes.data)  # fmt: skip
-        right_pointer = right.pointer + right_offset
-        left_pointer = left.pointer + left_offset
-        out_pointer = out_pointer + out_offset
-        _check_int("leading dimension", right.leading, left.leading, self.columns, count)
-        if count == 1:
-            cublas.gemmEx(
-                *arguments, right_pointer, self.data_type, right.leading,
-                left_pointer, self.data_type, left.leading, _ZERO.ctypes.data,
-                out_pointer, self.data_type, self.columns, self.compute_type, CUBLAS_GEMM_DEFAULT,
-            )  # fmt: skip
-            return
-        left_stride, right_stride, out_stride = strides
-        cublas.gemmStridedBatchedEx(
-            *arguments, right_pointer, self.data_type, right.leading, right_stride,
-            left_pointer, self.data_type, left.leading, left_stride, _ZERO.ctypes.data,
-            out_pointer, self.data_type, self.columns, out_stride, count,
-            self.compute_type, CUBLAS_GEMM_DEFAULT,
+    largest = max(call.m, call.n, call.k, call.lda, call.ldb, call.ldc, call.count)
+    if largest > INT_LIMIT:
+        raise ValueError(f"matmul: size {largest} exceeds cuBLAS's int range")
+    head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, _ONE.ctypes.data)
+    if call.count == 1:
+        cublas.gemmEx(
+            *head, call.a, data_type, call.lda, call.b, data_type, call.ldb,
+            _ZERO.ctypes.data, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
-
-
-def _batched(gemm: Gemm, left: Operand, right: Operand, out, batch) -> None:
-    """Strided-batched calls over the collapsible suffix of batch axes, a loop over the rest."""
-    kept = [axis for axis, size in enumerate(batch) if size != 1]
-    sizes = [batch[axis] for axis in kept]
-    left_strides = [left.batch_strides[axis] for axis in kept]
-    right_strides = [right.batch_strides[axis] for axis in kept]
-    out_strides = [stride // out.itemsize for stride in out.strides[:-2]]
-    out_strides = [out_strides[axis] for axis in kept]
-    split = collapse_split(sizes, left_strides, right_strides, out_strides)
-    count = int(np.prod(sizes[split:], dtype=np.int64))
-    stride_lists = (left_strides, right_strides, out_strides)
-    strides = tuple(s[-1] if s else 0 for s in stride_lists)
-    for outer in itertools.product(*(range(size) for size in sizes[:split])):
-        # the outer coordinates pair with the first ``split`` strides of each operand
-        offsets = tuple(
-            sum(i * s for i, s in zip(outer, axis, strict=False)) for axis in stride_lists
-        )
-        gemm.run(left, right, out.data.ptr, offsets, count, strides)
+        return
+    cublas.gemmStridedBatchedEx(
+        *head, call.a, data_type, call.lda, call.stride_a, call.b, data_type, call.ldb,
+        call.stride_b, _ZERO.ctypes.data, call.c, data_type, call.ldc, call.stride_c,
+        call.count, compute_type, CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip
 
 
 @implements("matmul")
@@ -204,33 +248,24 @@ def matmul(node: Node, arrays: list):
 
     left, right = arrays
     dtype = node.inputs[0].dtype
-    if left.ndim == 1:
-        left = left.reshape(1, -1)
-    if right.ndim == 1:
-        right = right.reshape(-1, 1)
+    # 1-D operands: a row on the left, a column on the right; reshape is a view here
+    left = left.reshape(1, -1) if left.ndim == 1 else left
+    right = right.reshape(-1, 1) if right.ndim == 1 else right
     matrix_axes = (len(node.inputs[0].shape) > 1) + (len(node.inputs[1].shape) > 1)
     batch = tuple(node.shape[: len(node.shape) - matrix_axes])
-    rows, inner, columns = left.shape[-2], left.shape[-1], right.shape[-1]
     storage = np.uint16 if dtype is dtypes.bfloat16 else dtype.numpy
-    out = cupy.empty(batch + (rows, columns), dtype=storage)
-    if out.size == 0 or inner == 0:
-        out.fill(0)  # an empty sum is 0 (cuBLAS would leave out unwritten for k == 0)
+    out = cupy.empty(batch + (left.shape[-2], right.shape[-1]), dtype=storage)
+    if out.size == 0 or left.shape[-1] == 0:
+        out.fill(0)  # an empty sum is 0 (cuBLAS leaves C unwritten when k == 0)
         return out.reshape(node.shape)
-    _check_int("size", rows, columns, inner)
-    left_operand, left = _operand(left, batch)
-    right_operand, right = _operand(right, batch)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    calls, _alive = plan_gemms(left, right, out, cupy, lambda array: array.data.ptr)
     precision = node.attr("precision", "highest")
     compute = CUBLAS_COMPUTE_32F
     if dtype is dtypes.float32 and precision == "tf32":
         compute = CUBLAS_COMPUTE_32F_FAST_TF32
-    gemm = Gemm(handle, CUDA_DATA_TYPE[dtype.name], compute, out.itemsize, rows, columns, inner)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     with _math_mode(handle, precision, dtype.name):
-        folded = _fold_rows(left_operand, right_operand, batch, inner)
-        if folded is not None:
-            whole = dataclasses.replace(gemm, rows=out.size // columns)
-            whole.run(folded, right_operand, out.data.ptr, (0, 0, 0), 1, (0, 0, 0))
-        else:
-            _batched(gemm, left_operand, right_operand, out, batch)
+        for call in calls:
+            _issue(call, handle, CUDA_DATA_TYPE[dtype.name], compute)
     return out.reshape(node.shape)

@@ -9,8 +9,8 @@ first offending value. On the GPU (``flame/runtime/library_indexing.py``) nothin
 checked, but nothing outside the input is touched either: a gather reads 0 (zero bits: 0,
 0.0, False) for an out-of-range index, ``scatter_add`` drops that contribution and
 ``one_hot`` writes a row of zeros. Negative indices count from the end only where PyTorch
-does that too (``take_along_dim``, ``index_tensor``, i.e. ``x[idx]``); elsewhere they are out
-of range.
+does that too (``take_along_dim`` with a dim, ``index_tensor``, i.e. ``x[idx]``); elsewhere
+they are out of range.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def _take_along_rule(inputs, attrs):
 def _take_along_ref(source, index, dim=None):
     if dim is None:
         flat = source.reshape(-1)
-        return flat[checked_index("take_along_dim", index, flat.size, None, wrap=True).reshape(-1)]
+        # as PyTorch: negative entries count from the end only along a given dim
+        return flat[checked_index("take_along_dim", index, flat.size, None).reshape(-1)]
     _, source_shape, index_shape = take_along_shapes(source.shape, index.shape, dim)
     index = checked_index("take_along_dim", index, source.shape[dim], dim, wrap=True)
     source, index = np.broadcast_to(source, source_shape), np.broadcast_to(index, index_shape)
