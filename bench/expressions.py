@@ -1,9 +1,12 @@
 """The computations the workloads time, each written once for every system.
 
-An expression takes an ``ops`` namespace first (``gelu_tanh``, ``sigmoid``, ``tanh``, ``exp``) and
-its input arrays after it; ``+``, ``-`` and ``*`` come from the arrays themselves. One definition
-per workload means FLAME, PyTorch, ``cupy.fuse`` and the NumPy oracle compute the same function by
-construction, and the PyTorch namespace spells each op the way a PyTorch user would.
+An expression takes an ``ops`` namespace first and its input arrays after it; ``+``, ``-``,
+``*`` and ``.sum(axis)`` come from the arrays themselves. One definition per workload means
+FLAME, PyTorch, ``cupy.fuse`` and the NumPy oracle compute the same function by construction,
+and each namespace spells an op the way that library's user would: ``flame.nn.functional``
+and ``torch.nn.functional`` for the composites, ``v.mean(dim, keepdim=True)`` and
+``.rsqrt()`` / ``torch.rsqrt`` for RMS norm written as ops. The NumPy namespace spells the
+composites out; it is the float64 oracle where PyTorch does not run.
 """
 
 import math
@@ -11,6 +14,8 @@ from types import SimpleNamespace
 
 GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
+LAYER_NORM_EPS = 1e-5
+RMS_NORM_EPS = 1e-6
 
 
 def ew_chain(ops, x, y):
@@ -19,6 +24,30 @@ def ew_chain(ops, x, y):
 
 def bias_gelu(ops, x, bias):
     return ops.gelu_tanh(x + bias)
+
+
+def softmax(ops, x):
+    return ops.softmax(x, -1)
+
+
+def layer_norm(ops, x, weight, bias):
+    return ops.layer_norm(x, (x.shape[-1],), weight, bias, eps=LAYER_NORM_EPS)
+
+
+def rms_norm_ops(ops, x, weight):
+    return x * ops.rsqrt(ops.mean_keepdim(x * x, -1) + RMS_NORM_EPS) * weight
+
+
+def cross_entropy(ops, logits, target):
+    return ops.cross_entropy(logits, target)
+
+
+def sum_middle(ops, x):
+    return x.sum(1)
+
+
+def matmul(ops, left, right):
+    return ops.matmul(left, right)
 
 
 TINY20_OPS = 20
@@ -48,12 +77,25 @@ def tiny20(ops, x, y):
     return ops.sigmoid(value)
 
 
+def mean_keepdim(value, dim):
+    """FLAME and PyTorch spell it alike: ``value.mean(dim, keepdim=True)``."""
+    return value.mean(dim, keepdim=True)
+
+
 def flame_ops(flame):
+    # Ops past the core's FLAME_API are looked up when called: a FLAME without one fails
+    # the workloads that use it, not the whole run.
     return SimpleNamespace(
         gelu_tanh=lambda value: flame.gelu(value, approximate="tanh"),
         sigmoid=flame.sigmoid,
         tanh=flame.tanh,
         exp=flame.exp,
+        softmax=lambda value, dim: flame.nn.functional.softmax(value, dim),
+        layer_norm=lambda *args, **kwargs: flame.nn.functional.layer_norm(*args, **kwargs),
+        cross_entropy=lambda logits, target: flame.nn.functional.cross_entropy(logits, target),
+        rsqrt=lambda value: value.rsqrt(),
+        mean_keepdim=mean_keepdim,
+        matmul=lambda left, right: flame.matmul(left, right),
     )
 
 
@@ -64,6 +106,12 @@ def torch_ops(torch):
         sigmoid=torch.sigmoid,
         tanh=torch.tanh,
         exp=torch.exp,
+        softmax=torch.softmax,
+        layer_norm=functional.layer_norm,
+        cross_entropy=functional.cross_entropy,
+        rsqrt=torch.rsqrt,
+        mean_keepdim=mean_keepdim,
+        matmul=torch.matmul,
     )
 
 
@@ -77,7 +125,42 @@ def array_ops(xp):
     def sigmoid(value):
         return 1.0 / (1.0 + xp.exp(-value))
 
-    return SimpleNamespace(gelu_tanh=gelu_tanh, sigmoid=sigmoid, tanh=xp.tanh, exp=xp.exp)
+    return SimpleNamespace(
+        gelu_tanh=gelu_tanh,
+        sigmoid=sigmoid,
+        tanh=xp.tanh,
+        exp=xp.exp,
+        **array_composites(xp),
+    )
+
+
+def array_composites(xp) -> dict:
+    """Reductions and composites spelled out for NumPy (the oracle) or CuPy."""
+
+    def softmax(value, dim):
+        exponent = xp.exp(value - value.max(dim, keepdims=True))
+        return exponent / exponent.sum(dim, keepdims=True)
+
+    def layer_norm(value, normalized_shape, weight, bias, eps):
+        axes = tuple(range(-len(normalized_shape), 0))
+        centered = value - value.mean(axes, keepdims=True)
+        variance = (centered * centered).mean(axes, keepdims=True)
+        return centered / xp.sqrt(variance + eps) * weight + bias
+
+    def cross_entropy(logits, target):
+        shifted = logits - logits.max(1, keepdims=True)
+        normalizer = xp.log(xp.exp(shifted).sum(1))
+        picked = xp.take_along_axis(shifted, target[:, None], 1)[:, 0]
+        return (normalizer - picked).mean()
+
+    return {
+        "softmax": softmax,
+        "layer_norm": layer_norm,
+        "cross_entropy": cross_entropy,
+        "rsqrt": lambda value: 1.0 / xp.sqrt(value),
+        "mean_keepdim": lambda value, dim: value.mean(dim, keepdims=True),
+        "matmul": xp.matmul,
+    }
 
 
 def bind(expression, ops):

@@ -30,8 +30,8 @@ def graph_build(session, workload) -> dict:
     chains = GRAPH_OPS // expressions.TINY20_OPS
     repeats = 3 if session.options.quick else session.options.build_repeats
     samples = []
-    with flame.scope():
-        arrays = make_inputs(session.array_module, workload.shapes(session.options.quick))
+    with flame.scope(workload):
+        arrays = make_inputs(session.array_module, workload.input_specs(session.options.quick))
         first, second = flame.adopt(arrays)
         ops = expressions.flame_ops(flame.module)
         for _ in range(repeats):

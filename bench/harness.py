@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy
 
 from bench import environment, timing
-from bench.expressions import array_ops
+from bench.checks import Reference
 from bench.systems import discover_systems
-from bench.workloads import DEVICE, FLAME_ONLY, HOST
+from bench.workloads import DEVICE, FLAME_ONLY, FLOAT32_TOLERANCE, HOST
 
-FLOAT32_TOLERANCE = 1e-4  # relative L2 error, FLAME against PyTorch eager (or NumPy float64)
+__all__ = ["FLOAT32_TOLERANCE", "Options", "Session", "make_inputs", "run_workload"]
 INPUT_SEED = 0
 
 
@@ -78,74 +78,22 @@ def open_session(options: Options, scratch: Path) -> Session:
     return session
 
 
-def make_inputs(xp, shapes, seed: int = INPUT_SEED) -> list:
-    """Standard-normal float32 arrays, a different seed for each input; never zeros."""
+def make_inputs(xp, specs, seed: int = INPUT_SEED) -> list:
+    """One array per input spec, a different seed for each: standard-normal floats (never
+    zeros), or integers in ``[0, high)``. bfloat16 inputs are made as float32 (CuPy has no
+    bfloat16); each system casts them when it adopts them."""
+    return [make_array(xp, spec, seed + index) for index, spec in enumerate(specs)]
+
+
+def make_array(xp, spec, seed: int):
+    if spec.high is not None:
+        dtype = getattr(xp, spec.dtype)
+        if xp is numpy:
+            return numpy.random.default_rng(seed).integers(0, spec.high, spec.shape, dtype=dtype)
+        return xp.random.RandomState(seed).randint(0, spec.high, spec.shape, dtype=dtype)
     if xp is numpy:
-        return [
-            numpy.random.default_rng(seed + index).standard_normal(shape, dtype=numpy.float32)
-            for index, shape in enumerate(shapes)
-        ]
-    return [
-        xp.random.RandomState(seed + index).standard_normal(shape, dtype=xp.float32)
-        for index, shape in enumerate(shapes)
-    ]
-
-
-def as_check_array(value, xp):
-    """Any system's output as an array of ``xp`` (CuPy reads FLAME and torch tensors zero-copy)."""
-    if xp is numpy:
-        if type(value).__module__.startswith("torch"):
-            return value.detach().cpu().numpy()
-        if hasattr(value, "numpy"):
-            return value.numpy()
-        return numpy.asarray(value)
-    return xp.asarray(value)
-
-
-def relative_l2_error(result, reference, xp) -> float:
-    if tuple(result.shape) != tuple(reference.shape):
-        raise ValueError(f"result shape {tuple(result.shape)} != reference {reference.shape}")
-    wide_reference = reference.astype(xp.float64).ravel()
-    difference = result.astype(xp.float64).ravel() - wide_reference
-    return float(xp.linalg.norm(difference) / xp.linalg.norm(wide_reference))
-
-
-class Reference:
-    """The answer every system is checked against.
-
-    PyTorch eager's own first output where it runs (it goes first), otherwise the expression in
-    NumPy float64, computed only when first needed.
-    """
-
-    def __init__(self, workload, inputs, xp):
-        self.workload = workload
-        self.inputs = inputs
-        self.xp = xp
-        self.array = None
-        self.name = None
-
-    def check(self, system, output) -> dict:
-        if self.array is None and system.key == "torch_eager":
-            self.array, self.name = as_check_array(output, self.xp), "torch eager"
-            return {"is_reference": True}
-        if self.array is None:
-            self.array, self.name = self._numpy_float64(), "numpy float64"
-        result = as_check_array(output, self.xp)
-        error = relative_l2_error(result, self.array, self.xp)
-        finite = bool(self.xp.isfinite(result).all())
-        passed = finite and error < FLOAT32_TOLERANCE  # NaN compares false, so it fails too
-        return {
-            "reference": self.name,
-            "rel_l2_error": error,
-            "all_finite": finite,
-            "tolerance": FLOAT32_TOLERANCE,
-            "passed": passed,
-        }
-
-    def _numpy_float64(self):
-        host = [as_check_array(array, numpy).astype(numpy.float64) for array in self.inputs]
-        value = self.workload.expression(array_ops(numpy), *host)
-        return self.xp.asarray(value)
+        return numpy.random.default_rng(seed).standard_normal(spec.shape, dtype=numpy.float32)
+    return xp.random.RandomState(seed).standard_normal(spec.shape, dtype=xp.float32)
 
 
 def guarded(action, *arguments) -> dict:
@@ -169,49 +117,44 @@ def release_memory(session: Session):
         torch.cuda.empty_cache()
 
 
+def first_call_and_check(system, workload, adopted, reference):
+    """(call, function, entry): the call of the adopted inputs, the compiled function, and an
+    entry with the first call's time, its correctness check and the settings it ran under."""
+    function = system.compile(workload.expression)
+
+    def call():
+        return function(*adopted)
+
+    first_ms, output = timing.first_call_ms(system, call)
+    entry = {"first_call_ms": first_ms, "check": reference.check(system, output)}
+    settings = system.settings(workload)
+    if settings:
+        entry["settings"] = settings
+    return call, function, entry
+
+
 def measure_device(session, workload, system, inputs, reference) -> dict:
     options = session.options
-    with system.scope():
-        adopted = system.adopt(inputs)
-        function = system.compile(workload.expression)
-
-        def call():
-            return function(*adopted)
-
-        first_ms, output = timing.first_call_ms(system, call)
-        check = reference.check(system, output)
-        del output
+    with system.scope(workload):
+        adopted = system.adopt(inputs, reference.specs)
+        call, function, entry = first_call_and_check(system, workload, adopted, reference)
         timing.warm_up(system, call, options.warmup)
         latency = timing.latency_ms(system, call, options.repeats)
         steady = timing.steady_ms(system, call, options.repeats)
         setup, timed = system.split(workload.expression, function, adopted)
         spin = timing.spin_seconds(latency)
         device = timing.device_ms(system, setup, timed, options.repeats, spin)
-    return {
-        "first_call_ms": first_ms,
-        "check": check,
-        "steady": steady,
-        "latency": latency,
-        "device": device,
-        "spin_ms": spin * 1e3,
-    }
+    return {**entry, "steady": steady, "latency": latency, "device": device, "spin_ms": spin * 1e3}
 
 
 def measure_host(session, workload, system, inputs, reference) -> dict:
     options = session.options
-    with system.scope():
-        adopted = system.adopt(inputs)
-        function = system.compile(workload.expression)
-
-        def call():
-            return function(*adopted)
-
-        first_ms, output = timing.first_call_ms(system, call)
-        check = reference.check(system, output)
-        del output
+    with system.scope(workload):
+        adopted = system.adopt(inputs, reference.specs)
+        call, _, entry = first_call_and_check(system, workload, adopted, reference)
         timing.warm_up(system, call, options.warmup)
         host = timing.host_us(system, call, options.host_calls, options.host_repeats)
-    return {"first_call_ms": first_ms, "check": check, "host": host}
+    return {**entry, "host": host}
 
 
 MEASURES = {DEVICE: measure_device, HOST: measure_host}
@@ -229,19 +172,37 @@ def unavailable_entry(system) -> dict:
     return {"status": "skipped", "reason": system.skip_reason}
 
 
+def row_skip_reason(session, workload) -> str | None:
+    """Why no system runs this workload: FLAME lacks what it needs (an op still being added)."""
+    module = getattr(session.flame, "module", None)
+    if workload.requires and module is not None and not hasattr(module, workload.requires):
+        return f"flame.{workload.requires} not available"
+    return None
+
+
+def skip_reason(session, workload, system) -> str | None:
+    return row_skip_reason(session, workload) or workload.skip.get(system.key)
+
+
 def run_compared(session, workload) -> dict:
     measure = MEASURES[workload.kind]
     xp = session.array_module
-    inputs = make_inputs(xp, workload.shapes(session.options.quick))
-    reference = Reference(workload, inputs, xp)
+    specs = workload.input_specs(session.options.quick)
+    inputs = make_inputs(xp, specs) if row_skip_reason(session, workload) is None else []
+    reference = Reference(workload, inputs, specs, xp)
     results = {}
     for system in peers_first(session.systems):
-        if not system.available:
+        reason = skip_reason(session, workload, system)
+        if reason is not None:
+            results[system.key] = {"status": "skipped", "reason": reason}
+        elif not system.available:
             results[system.key] = unavailable_entry(system)
-            continue
-        progress(f"{workload.name}: {system.label}")
-        results[system.key] = guarded(measure, session, workload, system, inputs, reference)
-        release_memory(session)
+        else:
+            progress(f"{workload.name}: {system.label}")
+            results[system.key] = guarded(measure, session, workload, system, inputs, reference)
+            release_memory(session)
+    del inputs, reference
+    release_memory(session)
     return {system.key: results[system.key] for system in session.systems}
 
 
@@ -263,10 +224,14 @@ def run_workload(session, workload) -> dict:
         "kind": workload.kind,
         "description": workload.description,
         "shapes": [list(shape) for shape in workload.shapes(quick)],
-        "dtype": "float32",
+        "dtypes": [spec.dtype for spec in workload.input_specs(quick)],
+        "output_shape": list(workload.output_shape(quick)),
+        "output_dtype": workload.output_dtype,
     }
     if workload.kind == DEVICE:
         row["floor_bytes"] = workload.floor_bytes(quick)
+        if workload.flops is not None:
+            row["flops"] = workload.floor_flops(quick)
     if workload.kind == FLAME_ONLY:
         row["results"] = run_flame_only(session, workload)
     else:

@@ -60,6 +60,8 @@ def timing_cell(entry: dict, metric: str, unit: str) -> str:
         return DASH
     symbol = "µs" if unit == "us" else "ms"
     text = f"{number(entry[metric][f'median_{unit}'])} {symbol}"
+    if "tflop_per_s" in entry[metric]:
+        text += f" ({number(entry[metric]['tflop_per_s'])} TFLOP/s)"
     if entry["status"] == "FAILED":
         return f"FAILED {text}"
     return text
@@ -206,6 +208,7 @@ def correctness_lines(report: dict) -> list[str]:
             continue
         checks = {key: row["results"].get(key, {}).get("check", {}) for key in SYSTEMS}
         reference = next((c["reference"] for c in checks.values() if "reference" in c), DASH)
+        tolerance = next((c["tolerance"] for c in checks.values() if "tolerance" in c), None)
         cells = []
         for key in SYSTEMS:
             check = checks[key]
@@ -216,11 +219,12 @@ def correctness_lines(report: dict) -> list[str]:
                 cells.append(f"{check['rel_l2_error']:.1e}{verdict}")
             else:
                 cells.append(status_cell(row["results"].get(key, {})) or DASH)
-        rows.append([row["name"], reference, *cells])
+        shown_tolerance = f"{tolerance:.0e}" if tolerance is not None else DASH
+        rows.append([row["name"], reference, shown_tolerance, *cells])
     if not rows:
         return []
-    title = "## Correctness: relative L2 error (flame must be under 1e-4 in float32)"
-    header = ["workload", "reference", *SYSTEM_LABELS.values()]
+    title = "## Correctness: relative L2 error (flame must be under the tolerance)"
+    header = ["workload", "reference", "tolerance", *SYSTEM_LABELS.values()]
     return [title, "", *table(header, rows), ""]
 
 
@@ -239,13 +243,36 @@ def problem_lines(report: dict) -> list[str]:
             lines.append(f"- {SYSTEM_LABELS[key]} not run: {system['reason']}")
         lines += [f"- {SYSTEM_LABELS[key]}: {note}" for note in system.get("notes", [])]
     for row in report["workloads"]:
-        for key, entry in row["results"].items():
-            if entry.get("status") == "error" and report["systems"][key]["available"]:
-                lines.append(f"- {row['name']} / {SYSTEM_LABELS[key]}: {one_line(entry['error'])}")
+        lines += row_problem_lines(report, row)
         lines += [f"- {row['name']}: {warning}" for warning in row.get("warnings", [])]
     if not lines:
         return []
     return ["## Skipped, errors, warnings", "", *lines, ""]
+
+
+def row_problem_lines(report: dict, row: dict) -> list[str]:
+    """Errors and skips of one row; systems that never ran are listed once, above."""
+    if row["status"] == "skipped":
+        return [f"- {row['name']}: skipped ({row['results']['flame'].get('reason')})"]
+    lines = []
+    for key, entry in row["results"].items():
+        if not report["systems"][key]["available"]:
+            continue
+        if entry.get("status") == "error":
+            lines.append(f"- {row['name']} / {SYSTEM_LABELS[key]}: {one_line(entry['error'])}")
+        elif entry.get("status") == "skipped":
+            lines.append(f"- {row['name']} / {SYSTEM_LABELS[key]}: skipped ({entry['reason']})")
+    return lines
+
+
+def floor_notes(rows: list) -> list[str]:
+    """Rows whose floor is not the copy floor say so (before the summary, which comes last)."""
+    notes = [
+        f"- {row['name']}: floor = {row['floor_basis']}; % of copy bandwidth does not apply"
+        for row in rows
+        if row.get("floor_basis")
+    ]
+    return ["## Compute-bound floors", "", *notes, ""] if notes else []
 
 
 def render_rows(rows: list, device_only: bool) -> list[str]:
@@ -262,7 +289,7 @@ def render(report: dict) -> str:
     if any(row["kind"] == DEVICE for row in rows):
         lines += ["## Device time only (host work hidden behind a spin kernel)", ""]
         lines += render_rows(rows, device_only=True) + [""]
-    lines += problem_lines(report)
+    lines += problem_lines(report) + floor_notes(rows)
     lines += [
         "## Summary: per call, CUDA events back to back (FLAME builds and realizes every call);"
         " tiny20: host time per call",

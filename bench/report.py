@@ -26,7 +26,9 @@ def annotate(row: dict, copy: dict | None):
             entry["status"] = "FAILED"
     row["status"] = results["flame"]["status"]
     row["warnings"] = []
-    if row["kind"] == DEVICE:
+    if row["kind"] == DEVICE and "flops" in row:
+        annotate_compute(row)
+    elif row["kind"] == DEVICE:
         annotate_bandwidth(row, copy)
     if row["kind"] in (DEVICE, HOST):
         annotate_ratios(row)
@@ -49,6 +51,22 @@ def annotate_bandwidth(row: dict, copy: dict | None):
                     f"flame {metric} time is {stats['pct_of_copy_bandwidth']:.0f} % of the copy "
                     "bandwidth: faster than a copy, check that the work was really done"
                 )
+
+
+def annotate_compute(row: dict):
+    """TFLOP/s of every timing; the floor is the FLOPs at PyTorch eager's measured rate (its
+    device time: cuBLAS, the best library rate this run has). No % of copy bandwidth."""
+    results = row["results"]
+    for entry in results.values():
+        for metric in ("steady", "device"):
+            if metric in entry:
+                stats = entry[metric]
+                stats["tflop_per_s"] = row["flops"] / (stats["median_ms"] * 1e-3) / 1e12
+    torch = results.get("torch_eager", {})
+    rate = torch.get("device", {}).get("tflop_per_s") if torch.get("status") == "ok" else None
+    if rate:
+        row["floor_ms"] = row["flops"] / (rate * 1e12) * 1e3
+        row["floor_basis"] = f"FLOPs / torch eager's measured {rate:.1f} TFLOP/s"
 
 
 def headline(row: dict, entry: dict) -> tuple[str, dict] | None:
@@ -117,7 +135,9 @@ MEASURES_EXPLAINED = {
     "latency": "synchronize, events around one call, synchronize: host and device time added",
     "host": "wall time over host_calls calls, then one synchronize, per call",
     "first_call_ms": "wall time of the first call in this process, compile included",
-    "floor_ms": "bytes that must move (inputs read once, output written once) / copy bandwidth",
+    "floor_ms": "bytes that must move (inputs read once, output written once) / copy bandwidth; "
+    "for rows with flops (matrix products): FLOPs / torch eager's measured rate (device time)",
+    "tflop_per_s": "flops / median time (rows with flops only)",
     "flame_speedup": "peer median / FLAME median on the headline measure (> 1: FLAME faster)",
 }
 

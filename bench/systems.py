@@ -27,13 +27,20 @@ class System:
     def available(self) -> bool:
         return self.skip_reason is None
 
-    def scope(self):
+    def scope(self, workload=None):
+        """Where the workload runs: a backend, a matmul precision; entered around everything."""
         return contextlib.nullcontext()
+
+    def settings(self, workload) -> dict:
+        """Settings in force inside ``scope`` that the report should show (TF32 and the like)."""
+        return {}
 
     def synchronize(self):
         self.clock.synchronize()
 
-    def adopt(self, arrays) -> list:
+    def adopt(self, arrays, specs=None) -> list:
+        """The shared arrays as this system's inputs, cast to each spec's dtype where it differs
+        (bfloat16 inputs arrive as float32)."""
         return list(arrays)
 
     def compile(self, expression):
@@ -70,14 +77,24 @@ class FlameSystem(System):
         except Exception as error:
             self.skip_reason = f"import cupy failed: {type(error).__name__}: {error}"
 
-    def scope(self):
+    def scope(self, workload=None):
         # The default backend is FLAME's own choice (the GPU); only the reference is asked for.
+        # The matmul precision is FLAME's default ("highest"); settings() records it.
         if self.backend == "reference":
             return self.module.backend("reference")
         return contextlib.nullcontext()
 
-    def adopt(self, arrays) -> list:
+    def settings(self, workload) -> dict:
+        if workload.matmul_precision is None:
+            return {}
+        getter = getattr(self.module, "get_matmul_precision", None)
+        return {"matmul_precision": getter() if getter else "unknown (no get_matmul_precision)"}
+
+    def adopt(self, arrays, specs=None) -> list:
         tensors = [self._tensor_from(array) for array in arrays]
+        for index, spec in enumerate(specs or ()):
+            if tensors[index].dtype.name != spec.dtype:
+                tensors[index] = tensors[index].to(getattr(self.module, spec.dtype))
         return [tensor.realize() for tensor in tensors]
 
     def _tensor_from(self, array):
@@ -130,13 +147,33 @@ class TorchEagerSystem(System):
             return "no GPU (torch.cuda.is_available() is False)"
         return None
 
-    def adopt(self, arrays) -> list:
+    @contextlib.contextmanager
+    def scope(self, workload=None):
+        """float32 matmuls at precision "highest" run with TF32 off, restored afterwards."""
+        precision = getattr(workload, "matmul_precision", None)
+        flags = self.torch.backends.cuda.matmul
+        saved = flags.allow_tf32
+        if precision is not None:
+            flags.allow_tf32 = precision != "highest"
+        try:
+            yield
+        finally:
+            flags.allow_tf32 = saved
+
+    def settings(self, workload) -> dict:
+        if workload.matmul_precision is None:
+            return {}
+        return {"allow_tf32": self.torch.backends.cuda.matmul.allow_tf32}
+
+    def adopt(self, arrays, specs=None) -> list:
         adopted = []
         for array in arrays:
             if type(array).__module__.startswith("numpy"):
                 adopted.append(self.torch.from_numpy(array).to("cuda"))
             else:
                 adopted.append(self.torch.from_dlpack(array))  # zero-copy view of the CuPy array
+        for index, spec in enumerate(specs or ()):
+            adopted[index] = adopted[index].to(getattr(self.torch, spec.dtype))  # no-op if same
         return adopted
 
     def compile(self, expression):
@@ -180,8 +217,11 @@ class CupyFuseSystem(System):
             return f"no GPU or no CuPy ({type(error).__name__}: {error})"
         return None
 
-    def adopt(self, arrays) -> list:
-        return [self.cupy.asarray(array) for array in arrays]
+    def adopt(self, arrays, specs=None) -> list:
+        adopted = [self.cupy.asarray(array) for array in arrays]
+        for index, spec in enumerate(specs or ()):
+            adopted[index] = adopted[index].astype(spec.dtype, copy=False)
+        return adopted
 
     def compile(self, expression):
         return self.cupy.fuse(expressions.bind(expression, expressions.array_ops(self.cupy)))
