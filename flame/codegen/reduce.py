@@ -27,18 +27,20 @@ from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
 
-THREAD_BLOCK = 256
+THREAD_SPLITS = 8  # column reductions: 8 warps share each group of 32 columns
+THREAD_BLOCK = 32 * THREAD_SPLITS
 THREAD_LANES = 8  # a thread issues 8 loads before it adds any: latency hidden
 VECTOR_LANES = 4  # block mode: 16-byte loads of float32 rows
-MAX_CACHE_ITEMS = 8  # a row of up to block * lanes * 8 values stays in registers
+MAX_CACHE_ITEMS = 8  # a row of up to block * lanes * 8 values stays in registers (16 at 512)
 
 
 def _block_size(inner: int, lanes: int) -> int:
-    """The smallest block that keeps a row in at most 4 chunks per thread (1024 at most)."""
+    """The smallest block that keeps a row in at most 4 chunks per thread; long rows take
+    512 threads (up to 16 chunks each, still cached) and only the longest 1024."""
     for size in (128, 256, 512):
         if inner <= size * lanes * 4:
             return size
-    return 1024
+    return 512 if inner <= 512 * lanes * 2 * MAX_CACHE_ITEMS else 1024
 
 
 class _Space:
@@ -155,7 +157,8 @@ class _ReduceWriter:
         row_reads = [r for r in self.reads if id(r.top) not in self.scalar_values and not r.generated]
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         fits = items * self.lanes * len(row_reads) <= 96 and self.block <= 512
-        if single and items <= MAX_CACHE_ITEMS and fits:
+        limit = MAX_CACHE_ITEMS * (2 if self.block == 512 else 1)
+        if single and items <= limit and fits:
             self.items = items
 
     def _vectorizable(self) -> bool:
@@ -190,7 +193,7 @@ class _ReduceWriter:
     def _blocks(self) -> int:
         if self.space.block_mode:
             return self.space.num_outer
-        return -(-self.space.num_outer // THREAD_BLOCK)
+        return -(-self.space.num_outer // 32)
 
     # --- index math ---------------------------------------------------------------------
     def _decompose(self, lines, variable, sizes, prefix):
@@ -233,8 +236,11 @@ class _ReduceWriter:
             strides = self.space.outer_strides[base + position]
             offset = self._linear(f"out{position}_o", strides, self.outer_index)
             lines.append(f"const {self.index} out{position}_outer = {offset};")
-        for read in self.reads:
-            if read.top.shape == self.kept or read.top.shape != self.shape:
+        for position, read in enumerate(self.reads):
+            # constant along the row (a per-row value, or broadcast along the reduced axes):
+            # loaded once per row, not once per element
+            along_row = any(self.space.inner_strides[position])
+            if read.top.shape != self.shape or not along_row:
                 self.scalar_values[id(read.top)] = self._scalar_read(read)
 
     def _scalar_read(self, read: Read) -> str:
@@ -359,7 +365,7 @@ class _ReduceWriter:
         values: dict[int, str] = {}
         self._lane_reads(chunk, lane, values, cached=self.items > 0)
         self._row_statements(lane, [node.inputs[0] for node in reduces], values)
-        accumulators = []
+        accumulators, combines = [], []
         for node in reduces:
             name = f"acc{len(self.scalar_values)}"
             op = get_op(node.op)
@@ -371,10 +377,11 @@ class _ReduceWriter:
             lane.append(f"{name} = {op.cuda['combine'].format(name, f'({ctype}){value}')};")
             shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
             accumulators.append((name, ctype, identity, op.cuda["combine"].format(name, shuffled)))
+            combines.append(op.cuda["combine"])
             self.scalar_values[id(node)] = name
         finish.extend(self._scalar_statements(number))
         return {"init": init, "chunk": chunk, "lane": lane, "accumulators": accumulators,
-                "finish": finish}  # fmt: skip
+                "combines": combines, "finish": finish}  # fmt: skip
 
     def _scalar_statements(self, number) -> list[str]:
         lines = []
@@ -424,6 +431,15 @@ class _ReduceWriter:
     def _spec(self, depth) -> KernelSpec:
         extras = {
             "mode": "block" if self.space.block_mode else "thread",
+            "splits": THREAD_SPLITS,
+            "split_combines": tuple(
+                tuple(
+                    (name, ctype, identity, _split_combine(name, combine_template))
+                    for (name, ctype, identity, _), combine_template
+                    in zip(p["accumulators"], p["combines"])
+                )
+                for p in self.passes
+            ),
             "lanes": self.lanes,
             "cache_items": self.items,
             "cache": tuple(self.cache_declarations),
@@ -448,6 +464,11 @@ class _ReduceWriter:
             header=header(self.group), helpers=tuple(self.helpers.sources), setup=(),
             prologue=(), body=(), epilogue=(), extras=extras,
         )  # fmt: skip
+
+
+def _split_combine(name: str, combine: str) -> str:
+    """The statement folding split ``part``'s partial result into ``name``."""
+    return f"{name} = " + combine.format(name, f"shared_{name}[part][column]")
 
 
 def _accumulator(node) -> tuple[str, str]:

@@ -36,3 +36,16 @@ def run_library(node: Node, arrays: list):
     if implementation is None:
         raise RuntimeError(f"{node.op} has no CUDA implementation registered")
     return implementation(node, arrays)
+
+
+def strided_array(array, shape, strides, offset: int = 0):
+    """A CuPy view of ``array``'s memory with the given shape, element ``strides`` and element
+    ``offset`` (a movement chain over an input, resolved to a strided view). Handing library
+    routines such views instead of materialized copies lets ``a @ b.T`` reach cuBLAS as a
+    transpose flag; the implementations read any strides."""
+    import cupy
+
+    item = array.itemsize
+    pointer = array.data + offset * item
+    byte_strides = tuple(stride * item for stride in strides)
+    return cupy.ndarray(tuple(shape), dtype=array.dtype, memptr=pointer, strides=byte_strides)
