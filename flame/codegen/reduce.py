@@ -144,6 +144,7 @@ class _ReduceWriter:
         """Lanes per chunk, vector loads, block size and the row cache (see module doc)."""
         space = self.space
         self.vector_reads, self.vector_outputs, self.items = {}, False, 0
+        self.cached_reads: set[int] = set()
         if not space.block_mode:
             self.lanes = THREAD_LANES if len(space.inner_sizes) == 1 else 1
             self.block = THREAD_BLOCK
@@ -154,7 +155,14 @@ class _ReduceWriter:
             self.lanes = VECTOR_LANES
         self.block = _block_size(space.num_inner, self.lanes)
         items = -(-space.num_inner // (self.block * self.lanes))
-        row_reads = [r for r in self.reads if id(r.top) not in self.scalar_values and not r.generated]
+        # rows of data are cached; values the same for every row (weights, biases) are
+        # re-read from L1 where needed instead of holding registers
+        row_reads = [
+            r for position, r in enumerate(self.reads)
+            if id(r.top) not in self.scalar_values and not r.generated
+            and any(self.space.outer_strides[position])
+        ]  # fmt: skip
+        self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         fits = items * self.lanes * len(row_reads) <= 96 and self.block <= 512
         limit = MAX_CACHE_ITEMS * (2 if self.block == 512 else 1)
@@ -264,7 +272,7 @@ class _ReduceWriter:
             name = f"x_{read.param}"
             ctype = read.top.dtype.c_compute
             values[id(read.top)] = name
-            if cached and not read.generated:
+            if cached and id(read) in self.cached_reads:
                 lane_lines.append(f"const {ctype} {name} = cache_{read.param}[item][k];")
                 continue
             if indices is None:
@@ -315,7 +323,7 @@ class _ReduceWriter:
     def _cache_loads(self) -> list[str]:
         lines = []
         for position, read in enumerate(self.reads):
-            if id(read.top) in self.scalar_values or read.generated:
+            if id(read) not in self.cached_reads:
                 continue
             lanes: list[str] = []
             lines.extend(self._chunk_load(read, position))
