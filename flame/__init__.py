@@ -23,6 +23,8 @@ from flame.views import (
 from flame.reductions import (
     all, amax, amin, any, argmax, argmin, logsumexp, max, mean, min, prod_ as prod, std, sum, var,
 )  # fmt: skip
+from flame.joining import cat, pad, repeat, stack, tril, triu
+from flame.creation import bernoulli
 from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 
 half = float16
@@ -36,7 +38,8 @@ __all__ = [
     "clamp", "float16", "float32", "from_dlpack", "from_numpy", "full", "full_like",
     "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
-    "all", "amax", "amin", "any", "argmax", "argmin", "broadcast_to", "expand", "flatten",
+    "all", "amax", "amin", "any", "argmax", "argmin", "bernoulli", "broadcast_to", "cat",
+    "pad", "repeat", "stack", "tril", "triu", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var",
     *_functional_names,

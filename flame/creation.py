@@ -172,3 +172,15 @@ def from_dlpack(source) -> Tensor:
         raise TypeError(f"from_dlpack: dtype {array.dtype} is not a FLAME dtype")
     storage = Storage("reference", dtype, array=array)
     return Tensor(Node("buffer", (), (("storage", storage),), dtype, array.shape, site), "reference")
+
+
+def bernoulli(p, seed=None, shape=None) -> Tensor:
+    """1.0 with probability ``p`` (a tensor of probabilities, or a float with ``shape``),
+    else 0.0; generated in the consuming kernel from ``seed``."""
+    if isinstance(p, Tensor):
+        return (rand(p.shape, seed=seed, dtype=p.dtype if p.dtype.is_float else dtypes.float32) < p).to(
+            p.dtype if p.dtype.is_float else dtypes.float32
+        )
+    if shape is None:
+        raise TypeError("bernoulli: with a float p, give shape=")
+    return (rand(shape, seed=seed) < float(p)).to(dtypes.float32)

@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 
 from flame.codegen.common import (
-    Helpers, Read, collect_reads, const_literal, generated_expression, header, is_scalar_const,
+    INDEX_LEAVES, Helpers, Read, collect_reads, const_literal, generated_expression, header, is_scalar_const,
     kernel_stem, load, op_expression, store,
 )  # fmt: skip
 from flame.codegen.spec import Arg, KernelSpec
@@ -201,8 +201,8 @@ class _Writer:
         return f"{base}e * {step}" if step != "1" or read.offset else "e"
 
     def _compute(self, node):
-        if id(node) in self.values or node.op in MOVEMENT_OPS:
-            return
+        if id(node) in self.values or node.op in MOVEMENT_OPS or node.op in INDEX_LEAVES:
+            return  # views and generated leaves are reads, bound where they are used
         if is_scalar_const(node) or node.op == "const":
             self.values[id(node)] = self.tail_values[id(node)] = const_literal(node)
             return

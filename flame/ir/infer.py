@@ -17,7 +17,7 @@ def _describe(inputs) -> str:
 
 def infer(op_name: str, inputs, attrs: dict) -> tuple[dtypes.DType, tuple[int, ...]]:
     op = get_op(op_name)
-    if len(inputs) != op.arity:
+    if op.arity >= 0 and len(inputs) != op.arity:  # -1: any number (cat)
         raise TypeError(f"{op_name}: takes {op.arity} inputs, got {len(inputs)}")
     if op.kind == "elementwise":
         return _infer_elementwise(op, inputs, attrs)

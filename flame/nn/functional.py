@@ -12,7 +12,7 @@ from flame.tensor import Tensor
 from flame.views import reshape
 
 __all__ = [
-    "cross_entropy", "gelu", "group_norm", "layer_norm", "leaky_relu", "log_softmax",
+    "cross_entropy", "dropout", "gelu", "pad", "group_norm", "layer_norm", "leaky_relu", "log_softmax",
     "mse_loss", "relu", "rms_norm", "sigmoid", "silu", "softmax", "softplus", "tanh",
 ]  # fmt: skip
 
@@ -115,6 +115,27 @@ def _reduce_loss(loss: Tensor, reduction: str, valid=None) -> Tensor:
             return R.mean(loss)
         return R.sum(loss) / R.sum(valid).float()
     raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+
+
+def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
+    from flame.joining import pad as pad_
+
+    return pad_(x, pad, mode, value)
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by 1/(1-p). The mask is
+    generated inside the kernel from ``seed`` (Philox): the same seed, the same mask."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: p must be in [0, 1], got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    from flame.creation import rand
+
+    keep = rand(x.shape, seed=seed) >= p
+    return where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002

@@ -16,7 +16,11 @@ from flame.ir.node import Node
 IMPLEMENTATIONS: dict[str, Callable] = {}
 # Modules whose ``@implements`` functions register themselves; imported on the first call
 # that needs one, so ``import flame`` does not pay for them.
-IMPLEMENTATION_MODULES = ("flame.runtime.library_linalg", "flame.runtime.library_indexing")
+IMPLEMENTATION_MODULES = (
+    "flame.runtime.library_linalg",
+    "flame.runtime.library_indexing",
+    "flame.runtime.library_joining",
+)
 
 
 def implements(op_name: str):

@@ -108,7 +108,8 @@ def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
                 ratio = node.numel // max(source.numel, 1)
                 choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
         elif node.op == "reshape":
-            if resolve(node, _base_view, lambda m: id(m) not in chosen) is None:
+            follow = lambda m, top=node: m is top or id(m) not in chosen  # noqa: E731
+            if resolve(node, _base_view, follow) is None:
                 choose(node.inputs[0], "reshape of a layout that is not a strided view")
     return chosen, reasons
 

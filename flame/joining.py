@@ -1,0 +1,89 @@
+"""Joining and layout-building ops: ``cat``, ``stack``, ``pad`` (constant), ``triu``, ``tril``,
+``repeat``. ``cat`` and ``pad`` copy (library calls); ``triu``/``tril`` are elementwise
+selections that fuse with their neighbours; ``repeat`` is a broadcast plus a reshape (one copy
+kernel); ``stack`` is ``cat`` of unsqueezed tensors."""
+
+from __future__ import annotations
+
+from flame.creation import arange
+from flame.functional import where
+from flame.ir import dtypes
+from flame.ir.shapes import ShapeError
+from flame.tensor import Tensor, apply_op
+from flame.views import expand, normalize_axis, reshape, unsqueeze
+
+
+def cat(tensors, dim: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise TypeError("cat: expected a non-empty sequence of flame.Tensor")
+    axis = normalize_axis(dim, tensors[0].ndim, "cat")
+    common = tensors[0].dtype
+    for tensor in tensors[1:]:
+        common = dtypes.promote(common, tensor.dtype)
+    tensors = [tensor.to(common) for tensor in tensors]
+    if len(tensors) == 1:
+        return tensors[0]
+    return apply_op("cat", *tensors, dim=axis)
+
+
+def stack(tensors, dim: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise TypeError("stack: expected a non-empty sequence of flame.Tensor")
+    if any(t.shape != tensors[0].shape for t in tensors):
+        shown = ", ".join(str(list(t.shape)) for t in tensors)
+        raise ShapeError(f"stack: all tensors must have one shape, got {shown}")
+    axis = normalize_axis(dim, tensors[0].ndim + 1, "stack")
+    return cat([unsqueeze(t, axis) for t in tensors], axis)
+
+
+def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
+    """PyTorch's ``F.pad``: ``pad`` lists (before, after) pairs from the LAST axis backwards."""
+    if mode != "constant":
+        raise ValueError(f"pad: only mode='constant' is supported, got {mode!r}")
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise ShapeError(f"pad: {list(pad)} must hold (before, after) pairs for at most {x.ndim} dims")
+    widths = [(0, 0)] * x.ndim
+    for pair in range(len(pad) // 2):
+        widths[x.ndim - 1 - pair] = (int(pad[2 * pair]), int(pad[2 * pair + 1]))
+    if any(low < 0 or high < 0 for low, high in widths):
+        raise ValueError(f"pad: negative padding {list(pad)} is not supported")
+    return apply_op("pad", x, widths=tuple(widths), value=value)
+
+
+def _triangle(x: Tensor, diagonal: int, keep_upper: bool, name: str) -> Tensor:
+    if x.ndim < 2:
+        raise ShapeError(f"{name}: needs at least 2 dims, got {list(x.shape)}")
+    rows, cols = x.shape[-2], x.shape[-1]
+    row = reshape(arange(rows), (rows, 1))
+    col = reshape(arange(cols), (1, cols))
+    keep = (col - row >= diagonal) if keep_upper else (col - row <= diagonal)
+    return where(keep, x, 0)
+
+
+def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+    return _triangle(x, diagonal, True, "triu")
+
+
+def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+    return _triangle(x, diagonal, False, "tril")
+
+
+def repeat(x: Tensor, *sizes) -> Tensor:
+    """PyTorch's ``Tensor.repeat``: tile ``x`` ``sizes[d]`` times along each axis."""
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else sizes
+    if len(sizes) < x.ndim:
+        raise ShapeError(f"repeat: {list(sizes)} has fewer dims than {list(x.shape)}")
+    shape = (1,) * (len(sizes) - x.ndim) + x.shape
+    interleaved = []
+    for count, size in zip(sizes, shape):
+        interleaved += [1, size]
+    tiled = expand(reshape(x, tuple(interleaved)), tuple(
+        v for count, size in zip(sizes, shape) for v in (count, size)
+    ))
+    return reshape(tiled, tuple(count * size for count, size in zip(sizes, shape)))
+
+
+for _name, _function in (("triu", triu), ("tril", tril), ("repeat", repeat)):
+    setattr(Tensor, _name, _function)

@@ -1,0 +1,30 @@
+"""CUDA implementations of the joining ops (flame/ir/ops/joining.py), through CuPy."""
+
+from __future__ import annotations
+
+from flame.runtime.library import implements
+
+
+@implements("cat")
+def cat(node, arrays):
+    import cupy
+
+    return cupy.ascontiguousarray(cupy.concatenate(arrays, axis=node.attr("dim")))
+
+
+@implements("pad")
+def pad(node, arrays):
+    import cupy
+
+    (array,) = arrays
+    widths = node.attr("widths")
+    value = node.attr("value")
+    if node.dtype.name == "bfloat16":  # bits in uint16: pad with the bits of the value
+        import ml_dtypes
+        import numpy as np
+
+        value = int(np.array(value, dtype=ml_dtypes.bfloat16).view(np.uint16))
+    out = cupy.full(node.shape, value, dtype=array.dtype)
+    inside = tuple(slice(low, low + size) for (low, _), size in zip(widths, array.shape))
+    out[inside] = array
+    return out
