@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +40,7 @@ INT_LIMIT = 2**31 - 1  # cuBLAS takes sizes and leading dimensions as int
 # types used here are all 32F, so they are float32
 _ONE = np.ones((), np.float32)
 _ZERO = np.zeros((), np.float32)
+_ONE_POINTER, _ZERO_POINTER = _ONE.ctypes.data, _ZERO.ctypes.data  # alive as long as the module
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,7 @@ def _fold_rows(left: Operand, right: Operand, batch, inner: int) -> Operand | No
     return Operand(left.pointer, OP_N, strides[-1], (), left.rows, strides[-1])
 
 
-@dataclass(frozen=True)
-class GemmCall:
+class GemmCall(NamedTuple):
     """One cuBLAS call, column-major: ``C = op(A) @ op(B)`` where ``A`` is the right operand
     and ``B`` the left one (see the module docstring). Pointers in bytes, the rest in
     elements; ``count > 1`` makes it a strided-batched call."""
@@ -180,27 +181,44 @@ def plan_gemms(left, right, out, xp, pointer_of) -> tuple[list[GemmCall], list]:
         left_operand, right_operand, out, batch
     )
     item = out.itemsize
+    shape = (right_operand.transpose, left_operand.transpose, columns, rows, inner)
     calls = [
         GemmCall(
-            right_operand.transpose,
-            left_operand.transpose,
-            columns,
-            rows,
-            inner,
-            right_operand.pointer + right_offset * item,
-            right_operand.leading,
-            right_step,
-            left_operand.pointer + left_offset * item,
-            left_operand.leading,
-            left_step,
-            out_pointer + out_offset * item,
-            columns,
-            out_step,
-            count,
-        )  # fmt: skip
+            *shape,
+            right_operand.pointer + right_offset * item, right_operand.leading, right_step,
+            left_operand.pointer + left_offset * item, left_operand.leading, left_step,
+            out_pointer + out_offset * item, columns, out_step, count,
+        )
         for left_offset, right_offset, out_offset in offsets
-    ]
+    ]  # fmt: skip
     return calls, [left, right]
+
+
+PLAN_CACHE_SIZE = 256
+# layout -> calls with pointers relative to (right, left, out): planning costs ~40 us of
+# Python, more than a small batched GEMM takes on the GPU
+_plans: dict[tuple, tuple[GemmCall, ...]] = {}
+
+
+def cached_gemms(left, right, out, xp, pointer_of) -> tuple[list[GemmCall], list]:
+    """``plan_gemms``, remembered per layout (shapes, strides, item size) when no operand
+    had to be copied: a repeated matmul only rebases the calls onto its arrays."""
+    key = (left.shape, left.strides, right.shape, right.strides, out.shape, out.itemsize)
+    bases = (pointer_of(right), pointer_of(left), pointer_of(out))
+    template = _plans.get(key)
+    if template is not None:
+        return [_rebased(call, bases, 1) for call in template], [left, right]
+    calls, alive = plan_gemms(left, right, out, xp, pointer_of)
+    if alive[0] is left and alive[1] is right:
+        if len(_plans) >= PLAN_CACHE_SIZE:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = tuple(_rebased(call, bases, -1) for call in calls)
+    return calls, alive
+
+
+def _rebased(call: GemmCall, bases, sign: int) -> GemmCall:
+    right, left, out = bases
+    return call._replace(a=call.a + sign * right, b=call.b + sign * left, c=call.c + sign * out)
 
 
 @contextlib.contextmanager
@@ -227,16 +245,16 @@ def _issue(call: GemmCall, handle: int, data_type: int, compute_type: int) -> No
     largest = max(call.m, call.n, call.k, call.lda, call.ldb, call.ldc, call.count)
     if largest > INT_LIMIT:
         raise ValueError(f"matmul: size {largest} exceeds cuBLAS's int range")
-    head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, _ONE.ctypes.data)
+    head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, _ONE_POINTER)
     if call.count == 1:
         cublas.gemmEx(
             *head, call.a, data_type, call.lda, call.b, data_type, call.ldb,
-            _ZERO.ctypes.data, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
+            _ZERO_POINTER, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
         return
     cublas.gemmStridedBatchedEx(
         *head, call.a, data_type, call.lda, call.stride_a, call.b, data_type, call.ldb,
-        call.stride_b, _ZERO.ctypes.data, call.c, data_type, call.ldc, call.stride_c,
+        call.stride_b, _ZERO_POINTER, call.c, data_type, call.ldc, call.stride_c,
         call.count, compute_type, CUBLAS_GEMM_DEFAULT,
     )  # fmt: skip
 
@@ -258,7 +276,7 @@ def matmul(node: Node, arrays: list):
     if out.size == 0 or left.shape[-1] == 0:
         out.fill(0)  # an empty sum is 0 (cuBLAS leaves C unwritten when k == 0)
         return out.reshape(node.shape)
-    calls, _alive = plan_gemms(left, right, out, cupy, lambda array: array.data.ptr)
+    calls, _alive = cached_gemms(left, right, out, cupy, lambda array: array.data.ptr)
     precision = node.attr("precision", "highest")
     compute = CUBLAS_COMPUTE_32F
     if dtype is dtypes.float32 and precision == "tf32":

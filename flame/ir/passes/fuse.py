@@ -211,7 +211,7 @@ def _form_groups(graph: Graph, materialized, reasons):
                 bucket = ("elementwise", node.shape)
         buckets.setdefault(bucket, []).append(node)
     groups = []
-    for (kind, key), roots in buckets.items():
+    for (kind, key), roots in _split_views_of_roots(grouping, buckets):
         group_key = key if kind == "reduce" else None
         members = grouping.members(roots, group_key)
         if kind == "reduce":
@@ -221,6 +221,31 @@ def _form_groups(graph: Graph, materialized, reasons):
         why = tuple(reasons[id(root)] for root in roots)
         groups.append(Group(kind, tuple(members), tuple(roots), why))
     return groups + library, grouping.extra
+
+
+def _split_views_of_roots(grouping, buckets):
+    """Buckets as (bucket, roots) pairs; a bucket in which one root reads another through a
+    view (``y = abs(x); z = y.T``, same shape) becomes one kernel per root: a kernel cannot
+    read through a view what its own threads write."""
+    for bucket, roots in buckets.items():
+        key = bucket[1] if bucket[0] == "reduce" else None
+        root_ids = {id(root) for root in roots}
+        members = grouping.members(roots, key)
+        member_ids = {id(node) for node in members}
+        viewed = any(
+            node.op in MOVEMENT_OPS and _view_base(node, member_ids) in root_ids
+            for node in members
+        )
+        if viewed and len(roots) > 1:
+            yield from ((bucket, [root]) for root in roots)
+        else:
+            yield bucket, roots
+
+
+def _view_base(node: Node, member_ids) -> int:
+    while node.op in MOVEMENT_OPS and id(node) in member_ids:
+        node = node.inputs[0]
+    return id(node)
 
 
 def _order_groups(groups: list[Group], materialized) -> list[Group] | None:
