@@ -24,6 +24,11 @@ from flame.reductions import (
     all, amax, amin, any, argmax, argmin, logsumexp, max, mean, min, prod_ as prod, std, sum, var,
 )  # fmt: skip
 from flame.joining import cat, pad, repeat, stack, tril, triu
+from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
+from flame.indexing import (
+    embedding, gather, index_select, index_tensor, masked_fill, one_hot, scatter_add,
+    take_along_dim,
+)  # fmt: skip
 from flame.creation import bernoulli
 from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 
@@ -39,7 +44,9 @@ __all__ = [
     "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
     "all", "amax", "amin", "any", "argmax", "argmin", "bernoulli", "broadcast_to", "cat",
-    "pad", "repeat", "stack", "tril", "triu", "expand", "flatten",
+    "pad", "repeat", "stack", "tril", "triu", "bmm", "get_matmul_precision", "matmul",
+    "matmul_precision", "set_matmul_precision", "embedding", "gather", "index_select",
+    "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var",
     *_functional_names,

@@ -58,7 +58,8 @@ def tensor(data, dtype=None) -> Tensor:
     if array.dtype == np.float64 and not isinstance(data, np.ndarray) and dtype is None:
         dtype = dtypes.float32
     target = dtypes.dtype(dtype) if dtype is not None else _flame_dtype_of(array)
-    return _buffer(np.ascontiguousarray(array.astype(target.numpy)), target, get_backend())
+    # astype copies into C order and, unlike ascontiguousarray, keeps 0-d arrays 0-d
+    return _buffer(array.astype(target.numpy, order="C"), target, get_backend())
 
 
 def from_numpy(array: np.ndarray) -> Tensor:

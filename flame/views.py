@@ -4,6 +4,7 @@ the original memory through strides; a copy is made only where a reshape needs o
 
 from __future__ import annotations
 
+from flame.backend import backend as use_backend
 from flame.ir.shapes import ShapeError, normalize_shape, prod
 from flame.tensor import Tensor, apply_op
 
@@ -128,9 +129,13 @@ def flip(x: Tensor, dims) -> Tensor:
 def getitem(x: Tensor, index) -> Tensor:
     """Basic indexing: ints, slices with steps and negative bounds, None, Ellipsis; an
     integer tensor indexes along the first axis (a gather)."""
-    if isinstance(index, Tensor):
+    if isinstance(index, (Tensor, list)) or hasattr(index, "__array_interface__"):
+        from flame.creation import tensor
         from flame.indexing import index_tensor
 
+        if not isinstance(index, Tensor):
+            with use_backend(x.backend):
+                index = tensor(index)
         return index_tensor(x, index)
     items = index if isinstance(index, tuple) else (index,)
     if sum(item is Ellipsis for item in items) > 1:

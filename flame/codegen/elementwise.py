@@ -68,7 +68,7 @@ def lower_elementwise(group: Group, layout_of) -> Lowered:
     """``layout_of(node) -> (strides in elements, aligned to 16 bytes)`` for buffers read."""
     space = group.outputs[0].shape
     reads, aliases = collect_reads(group, layout_of)
-    if aliases:
+    if any(base.op != "const" for base in aliases.values()):
         raise ValueError("an elementwise kernel cannot read its own values through views")
     views = [expand_view(read.view, space) for read in reads]
     sizes, collapsed = collapse(space, [contiguous_strides(space)] + [v.strides for v in views])
@@ -76,6 +76,8 @@ def lower_elementwise(group: Group, layout_of) -> Lowered:
         read.strides, read.offset = strides, view.offset
     vec = _choose_vec(sizes, reads, group.outputs)
     writer = _Writer(group, sizes, reads, vec, index_type_for(prod(space), reads))
+    for top, constant in aliases.items():  # a broadcast constant is its literal
+        writer.values[top] = writer.tail_values[top] = const_literal(constant)
     return writer.build(prod(space))
 
 

@@ -357,9 +357,9 @@ class _ReduceWriter:
                 values[id(node)] = name
 
     def _value(self, node, values) -> str:
+        node = self.aliases.get(id(node), node)
         if node.op == "const":
             return const_literal(node)
-        node = self.aliases.get(id(node), node)
         if id(node) in values:
             return values[id(node)]
         return self.scalar_values[id(node)]

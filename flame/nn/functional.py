@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from flame import reductions as R
 from flame.creation import arange
+from flame.indexing import embedding, one_hot
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
 from flame.views import reshape
 
 __all__ = [
-    "cross_entropy", "dropout", "gelu", "pad", "group_norm", "layer_norm", "leaky_relu", "log_softmax",
+    "cross_entropy", "dropout", "embedding", "gelu", "one_hot", "pad", "group_norm", "layer_norm", "leaky_relu", "log_softmax",
     "mse_loss", "relu", "rms_norm", "sigmoid", "silu", "softmax", "softplus", "tanh",
 ]  # fmt: skip
 

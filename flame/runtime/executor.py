@@ -20,6 +20,7 @@ from flame.codegen.render import render, spec_key
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
+from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import device_info
@@ -57,16 +58,30 @@ class LibraryCall:
     node: Node
     inputs: tuple[int, ...]
     output: int
+    views: tuple = ()  # per input: None, or the strided View to read the slot through
 
     @classmethod
     def plan(cls, node: Node, slot_of) -> LibraryCall:
-        inputs = tuple(slot_of[id(child)] for child in node.inputs)
-        return cls(node, inputs, slot_of[id(node)])
+        inputs, views = [], []
+        for child in node.inputs:
+            if id(child) in slot_of:
+                inputs.append(slot_of[id(child)])
+                views.append(None)
+                continue
+            base, view = library_view(child)  # the fusion pass let it through as a view
+            inputs.append(slot_of[id(base)])
+            views.append(view)
+        return cls(node, tuple(inputs), slot_of[id(node)], tuple(views))
 
     def execute(self, slots: list) -> None:
-        from flame.runtime.library import run_library
+        from flame.runtime.library import run_library, strided_array
 
-        slots[self.output] = run_library(self.node, [slots[slot] for slot in self.inputs])
+        arrays = [
+            slots[slot] if view is None
+            else strided_array(slots[slot], view.shape, view.strides, view.offset)
+            for slot, view in zip(self.inputs, self.views)
+        ]  # fmt: skip
+        slots[self.output] = run_library(self.node, arrays)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,21 @@ def is_row_alias(node: Node, key) -> bool:
     )  # fmt: skip
 
 
+def library_view(node: Node):
+    """``(base, view)`` when ``node`` is a chain of views over data a library call can read
+    in place (an input, or another library call's result): ``a @ b.T`` hands cuBLAS the
+    transposed strides instead of a copy. None otherwise."""
+    if node.op not in MOVEMENT_OPS:
+        return None
+    resolved = resolve(node, _base_view, lambda m: True)
+    if resolved is None:
+        return None
+    base = resolved[0]
+    if is_input(base) or get_op(base.op).kind == "library":
+        return resolved
+    return None
+
+
 def _base_view(node: Node) -> View:
     return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
@@ -100,7 +115,8 @@ def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
         if kind == "library":
             choose(node, f"{node.op} runs as a library call")
             for child in node.inputs:
-                choose(child, f"input of {node.op}, which reads memory")
+                if not library_view(child):
+                    choose(child, f"input of {node.op}, which reads memory")
         elif node.op == "expand" and not is_input(node.inputs[0]):
             source = node.inputs[0]
             cost = computed_size(source, set(chosen))
