@@ -30,6 +30,9 @@ from flame.indexing import (
     take_along_dim,
 )  # fmt: skip
 from flame.creation import bernoulli
+from flame.autograd import (
+    GradError, checkpoint, enable_grad, grad, is_grad_enabled, no_grad, value_and_grad, vjp,
+)  # fmt: skip
 from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 
 half = float16
@@ -44,7 +47,8 @@ __all__ = [
     "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
     "all", "amax", "amin", "any", "argmax", "argmin", "bernoulli", "broadcast_to", "cat",
-    "pad", "repeat", "stack", "tril", "triu", "bmm", "get_matmul_precision", "matmul",
+    "pad", "repeat", "stack", "tril", "triu", "GradError", "checkpoint", "enable_grad", "grad",
+    "is_grad_enabled", "no_grad", "value_and_grad", "vjp", "bmm", "get_matmul_precision", "matmul",
     "matmul_precision", "set_matmul_precision", "embedding", "gather", "index_select",
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flame.tensor import Tensor, apply, clamp, fast_apply
 
 UNARY = (
-    "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu floor ceil round "
+    "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu erf floor ceil round "
     "sign reciprocal logical_not bitwise_not"
 ).split()
 BINARY = (

@@ -7,6 +7,7 @@ checks, and records the user's line, so bad input fails here, when the op is bui
 
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import numpy as np
@@ -21,14 +22,26 @@ from flame.ir.shapes import ShapeError, broadcast_shapes
 _NUMBER_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
 
 
+# False inside flame.no_grad(): results are detached (autograd does not look through them)
+grad_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("flame_grad", default=True)
+
+
+def result(node: Node, backend: str) -> Tensor:
+    """The tensor an op returns: detached when built under ``no_grad``."""
+    if not grad_enabled.get():
+        node = Node("detach", (node,), (), node.dtype, node.shape, node.site)
+    return Tensor(node, backend)
+
+
 class Tensor:
-    __slots__ = ("node", "backend", "__weakref__")
+    __slots__ = ("node", "backend", "grad", "__weakref__")
     __array_priority__ = 1000  # NumPy defers to our reflected operators
     __array_ufunc__ = None
 
     def __init__(self, node: Node, backend: str):
         self.node = node
         self.backend = backend
+        self.grad = None  # accumulated by backward() (flame/autograd.py)
 
     # --- metadata (never runs anything) -------------------------------------------------
     @property
@@ -164,9 +177,6 @@ class Tensor:
     def bool(self):
         return self.to(dtypes.bool_)
 
-    def detach(self) -> Tensor:
-        return self
-
     def clamp(self, min=None, max=None) -> Tensor:  # noqa: A002 (PyTorch's names)
         return clamp(self, min, max)
 
@@ -215,7 +225,7 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
             dtype = node.dtype
             if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
                 site = _caller_site()
-                return Tensor(Node(op_name, (node,), (), dtype, node.shape, site), first.backend)
+                return result(Node(op_name, (node,), (), dtype, node.shape, site), first.backend)
         return apply(op_name, first)
     tensor = first if type(first) is Tensor else second
     other = second if tensor is first else first
@@ -236,7 +246,7 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
                 site = _caller_site()
                 inputs = (node, other_node) if tensor is first else (other_node, node)
                 out = dtypes.bool_ if op.out_bool else dtype
-                return Tensor(Node(op_name, inputs, (), out, node.shape, site), tensor.backend)
+                return result(Node(op_name, inputs, (), out, node.shape, site), tensor.backend)
     return apply(op_name, first, second)
 
 
@@ -361,7 +371,7 @@ def apply(op_name: str, *operands, **attrs) -> Tensor:
             attrs = ()
     except (ShapeError, TypeError, ValueError) as error:
         raise _with_site(error, site) from None
-    return Tensor(Node(op_name, inputs, attrs, dtype, shape, site), backend_name)
+    return result(Node(op_name, inputs, attrs, dtype, shape, site), backend_name)
 
 
 def _with_site(error: Exception, site) -> Exception:
@@ -432,4 +442,4 @@ def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
     except (ShapeError, TypeError, ValueError, IndexError) as error:
         raise _with_site(error, site) from None
     node = Node(op_name, nodes, tuple(sorted(attrs.items())), dtype, tuple(shape), site)
-    return Tensor(node, backend_name)
+    return result(node, backend_name)

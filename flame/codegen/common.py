@@ -101,6 +101,8 @@ def cast_expression(source: dtypes.DType, target: dtypes.DType, value: str) -> s
 def attr_literal(value) -> str:
     if isinstance(value, str):
         return value
+    if not isinstance(value, (int, float)):
+        return "0"  # not a number (a token, a dtype): never spelled in an expression
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

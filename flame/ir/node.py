@@ -24,6 +24,16 @@ FLAME_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Site = tuple  # (filename, line): where a node was built, the first frame outside FLAME
 
 
+class Token:
+    """A unique attribute value: two nodes that differ only by their token are different
+    values (a recomputation must not be merged with the forward it repeats)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "token"
+
+
 def format_site(site) -> str:
     return f"{os.path.basename(site[0])}:{site[1]}"
 
@@ -42,9 +52,11 @@ class Node:
 
     ``buffer`` is a memo, not structure: once a node has been computed its result is kept
     there, so later graphs that reach this node read it instead of computing it again.
+    ``grad_info`` is not structure either: it says which user tensor wants this value's
+    gradient and which hooks rewrite it (flame/autograd.py).
     """
 
-    __slots__ = ("op", "inputs", "attrs", "dtype", "shape", "site", "buffer", "_hash")
+    __slots__ = ("op", "inputs", "attrs", "dtype", "shape", "site", "buffer", "grad_info", "_hash")
 
     def __init__(
         self,
@@ -62,6 +74,7 @@ class Node:
         self.shape = shape
         self.site = site
         self.buffer = None
+        self.grad_info = None  # autograd: the leaf tensor that asked for a gradient, hooks
         self._hash = None  # computed on first use: building a graph should not pay for it
 
     def __hash__(self) -> int:

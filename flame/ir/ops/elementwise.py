@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from flame.ir.ops.registry import def_helper, def_op
+from flame.ir.ops.registry import def_helper, def_op, def_vjp
 
 POSITIVE = ((0.1, 4.0),)
 NONZERO = (-3.0, 3.0, "nonzero")
@@ -267,3 +267,95 @@ def_op(
     "cast", "elementwise", 1, ref=lambda x, dtype=None: x, promotion="none",
     attrs={"dtype": None},
 )  # fmt: skip
+
+# identities that matter to autograd only: ``detach`` stops gradients; ``barrier`` keeps a
+# recomputation (checkpoint) apart from the forward values it repeats (its token differs).
+def_op(
+    "detach", "elementwise", 1, ref=lambda x: x,
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, differentiable=False,
+)  # fmt: skip
+def_op(
+    "barrier", "elementwise", 1, ref=lambda x, token=None: x,
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"token": None},
+)  # fmt: skip
+def_op(
+    "checkpoint", "elementwise", 1, ref=lambda x, recompute=None: x,
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"recompute": None},
+    doc="identity whose backward recomputes a region (flame.checkpoint); vjp in autograd",
+)  # fmt: skip
+_unary_float(
+    "erf", lambda x: _erf(x.astype(np.float64)).astype(x.dtype), "erff({0})",
+)
+
+
+# --- backward rules ---------------------------------------------------------------------------
+# rule(F, g, out, *inputs, **attrs) -> one cotangent per input; see registry.def_vjp.
+_SQRT_HALF, _INV_SQRT_2PI = 0.7071067811865476, 0.3989422804014327
+
+
+def _gelu_vjp(F, g, out, x, approximate="none"):
+    if approximate == "tanh":
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = F.tanh(inner)
+        slope = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * x * x)
+        return (g * slope,)
+    cdf = 0.5 * (1 + F.erf(x * _SQRT_HALF))
+    return (g * (cdf + x * F.exp(-0.5 * x * x) * _INV_SQRT_2PI),)
+
+
+def _minmax_vjp(pick_first):
+    def rule(F, g, out, x, y):
+        first = pick_first(x, y)
+        tie = x == y
+        half = g * 0.5
+        return (F.where(tie, half, F.where(first, g, 0.0)), F.where(tie, half, F.where(first, 0.0, g)))
+
+    return rule
+
+
+for _name, _rule in {
+    "neg": lambda F, g, out, x: (-g,),
+    "abs": lambda F, g, out, x: (g * F.sign(x),),
+    "exp": lambda F, g, out, x: (g * out,),
+    "log": lambda F, g, out, x: (g / x,),
+    "log1p": lambda F, g, out, x: (g / (x + 1.0),),
+    "expm1": lambda F, g, out, x: (g * (out + 1.0),),
+    "sqrt": lambda F, g, out, x: (g * 0.5 / out,),
+    "rsqrt": lambda F, g, out, x: (g * -0.5 * out / x,),
+    "sin": lambda F, g, out, x: (g * F.cos(x),),
+    "cos": lambda F, g, out, x: (-g * F.sin(x),),
+    "tanh": lambda F, g, out, x: (g * (1.0 - out * out),),
+    "sigmoid": lambda F, g, out, x: (g * out * (1.0 - out),),
+    "silu": lambda F, g, out, x: (
+        g * F.sigmoid(x) * (1.0 + x * (1.0 - F.sigmoid(x))),
+    ),
+    "reciprocal": lambda F, g, out, x: (-g * out * out,),
+    "erf": lambda F, g, out, x: (g * 1.1283791670955126 * F.exp(-x * x),),
+    "gelu": _gelu_vjp,
+    "softplus": lambda F, g, out, x, beta=1.0, threshold=20.0: (
+        g * F.where(x * beta > threshold, 1.0, F.sigmoid(x * beta)),
+    ),
+    "leaky_relu": lambda F, g, out, x, negative_slope=0.01: (
+        g * F.where(x > 0, 1.0, negative_slope),
+    ),
+    "relu": lambda F, g, out, x: (F.where(x > 0, g, 0.0),),
+    "floor": lambda F, g, out, x: (g * 0.0,),
+    "ceil": lambda F, g, out, x: (g * 0.0,),
+    "round": lambda F, g, out, x: (g * 0.0,),
+    "sign": lambda F, g, out, x: (g * 0.0,),
+    "add": lambda F, g, out, x, y: (g, g),
+    "sub": lambda F, g, out, x, y: (g, -g),
+    "mul": lambda F, g, out, x, y: (g * y, g * x),
+    "div": lambda F, g, out, x, y: (g / y, -g * out / y),
+    "remainder": lambda F, g, out, x, y: (g, -g * F.floordiv(x, y)),
+    "pow": lambda F, g, out, x, y: (
+        g * y * F.pow(x, y - 1.0),
+        F.where(x > 0, g * out * F.log(F.where(x > 0, x, 1.0)), 0.0),
+    ),
+    "maximum": _minmax_vjp(lambda x, y: x > y),
+    "minimum": _minmax_vjp(lambda x, y: x < y),
+    "where": lambda F, g, out, condition, a, b: (None, F.where(condition, g, 0.0), F.where(condition, 0.0, g)),
+    "cast": lambda F, g, out, x, dtype=None: (g.to(x.dtype),),
+    "barrier": lambda F, g, out, x, token=None: (g,),
+}.items():
+    def_vjp(_name, _rule)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.ir.ops.registry import def_op
+from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError
 
 
@@ -44,3 +44,22 @@ def_op(
     shape_rule=_pad_rule, attrs={"widths": (), "value": 0},
     doc="constant padding: widths[d] = (before, after) for every axis d",
 )  # fmt: skip
+
+
+# --- backward rules ---------------------------------------------------------------------------
+def _cat_vjp(F, g, out, *inputs, dim=0):
+    pieces, start = [], 0
+    for node in inputs:
+        pieces.append(F.narrow(g, dim, start, node.shape[dim]))
+        start += node.shape[dim]
+    return tuple(pieces)
+
+
+def _pad_vjp(F, g, out, x, widths=(), value=0):
+    for axis, (low, _high) in enumerate(widths):
+        g = F.narrow(g, axis, low, x.shape[axis])
+    return (g,)
+
+
+def_vjp("cat", _cat_vjp)
+def_vjp("pad", _pad_vjp)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.ir.ops.registry import def_op
+from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
 PRECISIONS = ("highest", "tf32")
@@ -75,3 +75,25 @@ def_op(
     attrs={"precision": "highest"}, categories="f",
     doc="NumPy matmul (batch broadcasting, 1-D vectors); cuBLAS on the GPU",
 )  # fmt: skip
+
+
+# --- backward rules ---------------------------------------------------------------------------
+def _matmul_vjp(F, g, out, left, right, precision="highest"):
+    """NumPy matmul's cotangents: vectors are lifted to matrices first, batch broadcasting
+    is summed away by ``sum_to``."""
+    left_matrix = F.reshape(left, (1,) + left.shape) if left.ndim == 1 else left
+    right_matrix = F.reshape(right, right.shape + (1,)) if right.ndim == 1 else right
+    g_matrix = g
+    if left.ndim == 1:
+        g_matrix = F.unsqueeze(g_matrix, -2)
+    if right.ndim == 1:
+        g_matrix = F.unsqueeze(g_matrix, -1)
+    left_grad = F.matmul(g_matrix, F.transpose(right_matrix, -1, -2))
+    right_grad = F.matmul(F.transpose(left_matrix, -1, -2), g_matrix)
+    return (
+        F.reshape(F.sum_to(left_grad, left_matrix.shape), left.shape),
+        F.reshape(F.sum_to(right_grad, right_matrix.shape), right.shape),
+    )
+
+
+def_vjp("matmul", _matmul_vjp)

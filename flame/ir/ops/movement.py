@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.ir.ops.registry import def_op
+from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError, can_expand, prod
 
 
@@ -72,3 +72,30 @@ def_op(
     attrs={"starts": (), "stops": (), "steps": ()}, shape_rule=_slice_rule,
     doc="per axis range(start, stop, step), normalized (a stop of -1 means before index 0)",
 )  # fmt: skip
+
+
+# --- backward rules ---------------------------------------------------------------------------
+# Broadcasting is undone here, once: every implicit broadcast of the tensor layer is an
+# explicit expand, whose cotangent is summed back over the broadcast axes.
+def _expand_vjp(F, g, out, x, shape=()):
+    return (F.sum_to(g, x.shape),)
+
+
+def _permute_vjp(F, g, out, x, dims=()):
+    inverse = [0] * len(dims)
+    for position, axis in enumerate(dims):
+        inverse[axis] = position
+    return (F.permute(g, tuple(inverse)),)
+
+
+def _slice_vjp(F, g, out, x, starts=(), stops=(), steps=()):
+    """Scatter the cotangent back into zeros of x's shape, one axis at a time."""
+    for axis, (start, stop, step) in enumerate(zip(starts, stops, steps)):
+        g = F.unslice_axis(g, axis, x.shape[axis], start, step)
+    return (g,)
+
+
+def_vjp("expand", _expand_vjp)
+def_vjp("reshape", lambda F, g, out, x, shape=(): (F.reshape(g, x.shape),))
+def_vjp("permute", _permute_vjp)
+def_vjp("slice", _slice_vjp)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.ir import dtypes
-from flame.ir.ops.registry import def_op
+from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError
 
 _INT64_MIN, _INT64_MAX = "(-9223372036854775807LL - 1)", "9223372036854775807LL"
@@ -66,3 +66,17 @@ def_op(
     attrs={"axes": ()}, helpers=("flame_minmax",),
     cuda={"combine": "flame_min({0}, {1})", "identity": _MIN_IDENTITY},
 )  # fmt: skip
+
+
+# --- backward rules ---------------------------------------------------------------------------
+def _extreme_vjp(F, g, out, x, axes=()):
+    """Ties share the cotangent equally, as in PyTorch's amax/amin."""
+    hit = x == F.expand(out, x.shape)
+    count = F.reduce_sum(hit.float(), axes)
+    return (F.where(hit, F.expand(g / count, x.shape), 0.0),)
+
+
+def_vjp("reduce_sum", lambda F, g, out, x, axes=(): (F.expand(g, x.shape).to(x.dtype),))
+def_vjp("reduce_max", _extreme_vjp)
+def_vjp("reduce_min", _extreme_vjp)
+def_vjp("reduce_prod", lambda F, g, out, x, axes=(): (F.expand(g * out, x.shape) / x,))

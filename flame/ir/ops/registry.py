@@ -74,6 +74,17 @@ def def_helper(name: str, source: str) -> None:
     HELPERS[name] = source.strip() + "\n"
 
 
+def def_vjp(name: str, rule) -> None:
+    """Attach the backward rule of an op, right after its declaration (JAX style).
+
+    ``rule(F, g, out, *inputs, **attrs)`` returns one cotangent per input (None: no
+    gradient). ``F`` is flame.autograd's namespace of differentiable functions, so rules are
+    written with ordinary tensor ops and their results are IR like everything else."""
+    import dataclasses
+
+    OPS[name] = dataclasses.replace(OPS[name], vjp=rule)
+
+
 def get_op(name: str) -> OpDef:
     try:
         return OPS[name]

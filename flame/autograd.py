@@ -1,0 +1,402 @@
+"""Autograd as a graph-to-graph transform.
+
+``backward`` walks the forward graph from the outputs towards the inputs and, for each node,
+applies the backward rule declared with its op (``registry.def_vjp``). The rules are written
+with ordinary tensor ops, so the gradients are lazy tensors whose graph shares nodes with the
+forward one: realizing a gradient runs forward and backward as one schedule, through the same
+passes and code generator, and the backward can itself be differentiated.
+
+State lives on the graph, never in a global tape: ``Node.grad_info`` marks the user tensors
+that asked for a gradient (``requires_grad_``) and holds their hooks; ``Tensor.grad`` holds
+the accumulated (lazy) gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from flame.ir.node import Node, Token, format_site, user_site
+from flame.ir.ops import get_op
+from flame.ir.ops.registry import def_vjp
+from flame.ir.shapes import ShapeError
+from flame.tensor import Tensor
+from flame.tensor import grad_enabled as _grad_enabled
+
+
+
+class GradError(RuntimeError):
+    """A gradient was asked for in a way that has no answer; the message says why."""
+
+
+@dataclass
+class GradInfo:
+    owner: object = None  # weakref to the Tensor that accumulates the gradient
+    hooks: list = field(default_factory=list)
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled.get()
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Ops built inside do not carry gradients (their results are detached)."""
+    token = _grad_enabled.set(False)
+    try:
+        yield
+    finally:
+        _grad_enabled.reset(token)
+
+
+@contextlib.contextmanager
+def enable_grad():
+    token = _grad_enabled.set(True)
+    try:
+        yield
+    finally:
+        _grad_enabled.reset(token)
+
+
+# --- the functions backward rules are written with -------------------------------------------
+
+
+def _functions() -> SimpleNamespace:
+    import flame as fl
+    from flame import views
+
+    def sum_to(g: Tensor, shape) -> Tensor:
+        """Undo broadcasting: sum ``g`` over the axes that were broadcast to reach it."""
+        shape = tuple(shape)
+        if g.shape == shape:
+            return g
+        lead = g.ndim - len(shape)
+        axes = tuple(range(lead)) + tuple(
+            lead + axis for axis, size in enumerate(shape) if size == 1 and g.shape[lead + axis] != 1
+        )
+        summed = fl.sum(g, axes, keepdim=True) if axes else g
+        return views.reshape(summed, shape)
+
+    def unslice_axis(g: Tensor, axis: int, size: int, start: int, step: int) -> Tensor:
+        count = g.shape[axis]
+        if count == size and step == 1:
+            return g
+        if step < 0:  # walk it forwards: element i sits at start + i*step
+            g = views.flip(g, axis)
+            start, step = start + (count - 1) * step, -step
+        if step > 1:  # interleave zeros: [.., n, 1] -> [.., n, step] -> [.., n*step]
+            spread = views.unsqueeze(g, axis + 1)
+            widths = [0] * (2 * spread.ndim)
+            widths[2 * (spread.ndim - 1 - (axis + 1)) + 1] = step - 1
+            spread = fl.pad(spread, widths)
+            merged = list(g.shape)
+            merged[axis] = count * step
+            g = views.reshape(spread, tuple(merged))
+            g = views.narrow(g, axis, 0, (count - 1) * step + 1)
+        widths = [0] * (2 * g.ndim)
+        widths[2 * (g.ndim - 1 - axis)] = start
+        widths[2 * (g.ndim - 1 - axis) + 1] = size - start - g.shape[axis]
+        return fl.pad(g, widths)
+
+    return SimpleNamespace(
+        where=fl.where, sign=fl.sign, exp=fl.exp, log=fl.log, sin=fl.sin, cos=fl.cos,
+        tanh=fl.tanh, sigmoid=fl.sigmoid, erf=fl.erf, pow=fl.pow, floordiv=fl.floordiv,
+        reshape=views.reshape, permute=views.permute, transpose=views.transpose,
+        expand=views.expand, unsqueeze=views.unsqueeze, narrow=views.narrow, flip=views.flip,
+        matmul=fl.matmul, sum_to=sum_to, unslice_axis=unslice_axis,
+        reduce_sum=lambda t, axes: fl.sum(t, axes, keepdim=True),
+        scatter_add=fl.scatter_add, gather=fl.gather, zeros=fl.zeros,
+    )  # fmt: skip
+
+
+_F: SimpleNamespace | None = None
+
+
+def functions() -> SimpleNamespace:
+    global _F  # a namespace of functions, built once: not state
+    if _F is None:
+        _F = _functions()
+    return _F
+
+
+# --- the transform ----------------------------------------------------------------------------
+
+
+def _extra_inputs(node: Node) -> tuple[Node, ...]:
+    """Values a node's gradient flows to besides its graph inputs (a checkpoint's args)."""
+    if node.op == "checkpoint":
+        return node.attr("recompute").arg_nodes
+    return ()
+
+
+def _relevant(order, targets: set[int]) -> set[int]:
+    """Nodes on a path to one of ``targets`` (only those need a cotangent)."""
+    relevant: set[int] = set()
+    for node in order:
+        if id(node) in targets or any(
+            id(child) in relevant for child in node.inputs + _extra_inputs(node)
+        ):
+            relevant.add(id(node))
+    return relevant
+
+
+def _walk(roots) -> list[Node]:
+    """Forward nodes from the leaves to ``roots``, through realized values, never into a
+    detached one."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack = [(node, False) for node in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        if node.op != "detach":
+            for child in node.inputs + _extra_inputs(node):
+                if id(child) not in seen:
+                    stack.append((child, False))
+    return order
+
+
+def cotangents(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:
+    """Reverse-mode sweep: ``{id(node): cotangent}`` for every node on a path from
+    ``targets`` to ``outputs``."""
+    order = _walk([out.node for out in outputs])
+    relevant = _relevant(order, {id(node) for node in targets})
+    total: dict[int, Tensor] = {}
+    for out, seed in zip(outputs, seeds):
+        _accumulate(total, out.node, seed)
+    F = functions()
+    for node in reversed(order):
+        g = total.get(id(node))
+        if g is None or id(node) not in relevant:
+            continue
+        g = _run_hooks(node, g)
+        total[id(node)] = g
+        if not node.inputs or node.op == "detach":
+            continue
+        op = get_op(node.op)
+        if not op.differentiable or op.vjp is None:
+            if any(id(child) in relevant for child in node.inputs):
+                raise GradError(f"{node.op} has no gradient rule (built at {_where(node)})")
+            continue
+        wrap = [Tensor(child, backend) for child in node.inputs]
+        grads = op.vjp(F, g, Tensor(node, backend), *wrap, **dict(node.attrs))
+        if node.op == "checkpoint":
+            children = node.inputs + _extra_inputs(node)
+        else:
+            children = node.inputs
+        for child, grad in zip(children, grads):
+            if grad is not None and id(child) in relevant:
+                _accumulate(total, child, grad)
+    return total
+
+
+def _where(node: Node) -> str:
+    return format_site(node.site) if node.site else "unknown line"
+
+
+def _accumulate(total, node: Node, grad: Tensor) -> None:
+    if grad.shape != node.shape:
+        raise ShapeError(f"gradient of shape {list(grad.shape)} for a value of shape {list(node.shape)}")
+    if grad.dtype is not node.dtype:
+        grad = grad.to(node.dtype)
+    previous = total.get(id(node))
+    total[id(node)] = grad if previous is None else previous + grad
+
+
+def _run_hooks(node: Node, g: Tensor) -> Tensor:
+    info = node.grad_info
+    if info is None:
+        return g
+    for hook in info.hooks:
+        result = hook(g)
+        if result is None:
+            continue
+        if not isinstance(result, Tensor) or result.shape != g.shape or result.dtype is not g.dtype:
+            shown = f"{result.dtype.name}{list(result.shape)}" if isinstance(result, Tensor) else type(result).__name__
+            raise GradError(
+                f"hook {getattr(hook, '__name__', hook)!r} returned {shown}; the gradient is "
+                f"{g.dtype.name}{list(g.shape)} and a hook must return the same shape and dtype"
+            )
+        g = result
+    return g
+
+
+# --- the PyTorch-style API --------------------------------------------------------------------
+
+
+def _info(tensor: Tensor) -> GradInfo:
+    if tensor.node.grad_info is None:
+        tensor.node.grad_info = GradInfo()
+    return tensor.node.grad_info
+
+
+def requires_grad_(self: Tensor, requires_grad: bool = True) -> Tensor:
+    if requires_grad and not self.dtype.is_float:
+        raise GradError(
+            f"only float tensors can require gradients, got {self.dtype.name} [at {format_site(user_site())}]"
+        )
+    info = _info(self)
+    info.owner = weakref.ref(self) if requires_grad else None
+    return self
+
+
+def _requires_grad(self: Tensor) -> bool:
+    for node in _walk([self.node]):
+        info = node.grad_info
+        if info is not None and info.owner is not None and info.owner() is not None:
+            return True
+    return False
+
+
+def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = False) -> None:
+    """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
+    With ``create_graph`` the gradients stay differentiable (grad of grad)."""
+    site = format_site(user_site())
+    if grad is None:
+        if self.numel() != 1:
+            raise GradError(
+                f"backward() on a tensor of shape {list(self.shape)} needs grad= (only a "
+                f"one-element output has an implied gradient) [at {site}]"
+            )
+        from flame.creation import ones
+
+        grad = ones(self.shape, dtype=self.dtype)
+    leaves = []
+    for node in _walk([self.node]):
+        info = node.grad_info
+        owner = info.owner() if info is not None and info.owner is not None else None
+        if owner is not None:
+            leaves.append((node, owner))
+    if not leaves:
+        raise GradError(f"backward(): nothing in this graph requires grad [at {site}]")
+    total = cotangents([self], [grad], [node for node, _ in leaves], self.backend)
+    for node, owner in leaves:
+        g = total.get(id(node))
+        if g is None:
+            continue
+        if not create_graph:
+            g = detach(g)
+        owner.grad = g if owner.grad is None else owner.grad + g
+
+
+def register_hook(self: Tensor, hook):
+    """``hook(grad) -> new grad or None``: runs when this value's gradient is complete; its
+    result becomes part of the backward graph (it fuses like any other op)."""
+    info = _info(self)
+    info.hooks.append(hook)
+    return SimpleNamespace(remove=lambda: info.hooks.remove(hook) if hook in info.hooks else None)
+
+
+def detach(self: Tensor) -> Tensor:
+    node = Node("detach", (self.node,), (), self.dtype, self.shape, self.node.site)
+    return Tensor(node, self.backend)
+
+
+def zero_grad(self: Tensor) -> None:
+    self.grad = None
+
+
+# --- functional transforms ----------------------------------------------------------------------
+
+
+def vjp(fn, *primals):
+    """``(outputs, vjp_fn)``: ``vjp_fn(cotangent)`` gives one cotangent per primal."""
+    outputs = fn(*primals)
+    single = isinstance(outputs, Tensor)
+    outs = [outputs] if single else list(outputs)
+
+    def vjp_fn(*seeds):
+        total = cotangents(outs, list(seeds), [p.node for p in primals], outs[0].backend)
+        return tuple(_or_zeros(total.get(id(p.node)), p, True) for p in primals)
+
+    return outputs, vjp_fn
+
+
+def value_and_grad(fn, argnums=0, allow_unused: bool = False):
+    def wrapped(*args):
+        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        value = fn(*args)
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            shown = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise GradError(f"grad: the function must return a one-element tensor, got {shown}")
+        from flame.creation import ones
+
+        targets = [args[i] for i in positions]
+        total = cotangents([value], [ones(value.shape, dtype=value.dtype)], [t.node for t in targets], value.backend)
+        grads = tuple(_or_zeros(total.get(id(t.node)), t, allow_unused) for t in targets)
+        return value, (grads[0] if isinstance(argnums, int) else grads)
+
+    return wrapped
+
+
+def grad(fn, argnums=0, allow_unused: bool = False):
+    """``grad(fn)(*args)``: the gradient of a one-element ``fn`` with respect to ``args[argnums]``."""
+    inner = value_and_grad(fn, argnums, allow_unused)
+    return lambda *args: inner(*args)[1]
+
+
+def _or_zeros(g, target: Tensor, allow_unused: bool):
+    if g is not None:
+        return g
+    if not allow_unused:
+        raise GradError(
+            f"a {target.dtype.name}{list(target.shape)} input does not influence the output "
+            "(pass allow_unused=True to get zeros)"
+        )
+    from flame.creation import zeros
+
+    return zeros(target.shape, dtype=target.dtype)
+
+
+# --- checkpoint ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Recompute:
+    """How a checkpoint rebuilds its region for the backward."""
+
+    fn: object
+    args: tuple
+    arg_nodes: tuple
+
+    def __repr__(self) -> str:
+        return f"recompute({getattr(self.fn, '__name__', 'fn')})"
+
+
+def checkpoint(fn, *args):
+    """``fn(*args)``, whose backward recomputes ``fn``'s intermediate values from ``args``
+    instead of keeping them: the recomputation is a fresh copy of the region behind a
+    barrier, which the fusion pass can compute inside the backward kernels."""
+    out = fn(*args)
+    recompute = Recompute(fn, tuple(args), tuple(a.node for a in args))
+    node = Node("checkpoint", (out.node,), (("recompute", recompute),), out.dtype, out.shape, out.node.site)
+    return Tensor(node, out.backend)
+
+
+def _checkpoint_vjp(F, g, out, inner, recompute=None):
+    token = Token()
+    fresh = [
+        Tensor(Node("barrier", (arg.node,), (("token", token),), arg.dtype, arg.shape, arg.node.site), arg.backend)
+        for arg in recompute.args
+    ]
+    again = recompute.fn(*fresh)
+    total = cotangents([again], [g], [t.node for t in fresh], g.backend)
+    grads = [total.get(id(t.node)) for t in fresh]
+    return (None, *grads)
+
+
+def_vjp("checkpoint", _checkpoint_vjp)
+Tensor.requires_grad_ = requires_grad_
+Tensor.requires_grad = property(_requires_grad)
+Tensor.backward = backward
+Tensor.register_hook = register_hook
+Tensor.detach = detach
+Tensor.zero_grad = zero_grad
