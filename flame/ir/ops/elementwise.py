@@ -272,15 +272,15 @@ def_op(
 # recomputation (checkpoint) apart from the forward values it repeats (its token differs).
 def_op(
     "detach", "elementwise", 1, ref=lambda x: x,
-    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, differentiable=False,
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, differentiable=False, internal=True,
 )  # fmt: skip
 def_op(
     "barrier", "elementwise", 1, ref=lambda x, token=None: x,
-    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"token": None},
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"token": None}, internal=True,
 )  # fmt: skip
 def_op(
     "checkpoint", "elementwise", 1, ref=lambda x, recompute=None: x,
-    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"recompute": None},
+    cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"recompute": None}, internal=True,
     doc="identity whose backward recomputes a region (flame.checkpoint); vjp in autograd",
 )  # fmt: skip
 _unary_float(
