@@ -1,5 +1,5 @@
 """Neural-network building blocks, written only with public FLAME ops."""
 
-from flame.nn import functional
+from flame.nn import functional, utils
 
-__all__ = ["functional"]
+__all__ = ["functional", "utils"]

@@ -11,6 +11,10 @@ checked, but nothing outside the input is touched either: a gather reads 0 (zero
 ``one_hot`` writes a row of zeros. Negative indices count from the end only where PyTorch
 does that too (``take_along_dim`` with a dim, ``index_tensor``, i.e. ``x[idx]``); elsewhere
 they are out of range.
+
+Gradients (rules at the end): every gather's data cotangent is ``scatter_add`` of the
+incoming cotangent into zeros at the same positions (repeated indices add up), and
+``scatter_add``'s ``src`` cotangent is a gather. Index inputs get none.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.ir import dtypes
-from flame.ir.ops.registry import def_op
+from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
 INDEX_DTYPES = (dtypes.int32, dtypes.int64)
@@ -271,3 +275,93 @@ def_op(
     attrs={"num_classes": 0}, categories="i", differentiable=False,
     doc="int64 [..., num_classes] with a 1 at each label (torch.nn.functional.one_hot)",
 )  # fmt: skip
+
+
+# --- backward rules ---------------------------------------------------------------------------
+# rule(F, g, out, *inputs, **attrs) -> one cotangent per input; see registry.def_vjp. Index
+# inputs are integers: they get no cotangent (None).
+
+
+def _zeros(g, shape, dtype):
+    """Zeros on the cotangent's backend (not the caller's current one)."""
+    from flame.backend import backend as use_backend
+    from flame.creation import zeros
+
+    with use_backend(g.backend):
+        return zeros(tuple(shape), dtype=dtype)
+
+
+def _scatter_into(F, g, shape, dtype, dim, index):
+    """``zeros(shape)`` with ``g`` added at ``index`` along ``dim`` (index shaped like g)."""
+    return F.scatter_add(_zeros(g, shape, dtype), dim, index, g)
+
+
+def _wrapped(F, index, size):
+    """Negative positions counted from the end, as the forward read them."""
+    return F.where(index < 0, index + size, index)
+
+
+def _along(F, index, shape, dim):
+    """A 1-d ``index`` placed along ``dim`` and broadcast to ``shape``."""
+    placed = [1] * len(shape)
+    placed[dim] = index.numel()
+    return F.expand(F.reshape(index, tuple(placed)), tuple(shape))
+
+
+def _gather_vjp(F, g, out, source, index, dim=0):
+    return (_scatter_into(F, g, source.shape, source.dtype, dim, index), None)
+
+
+def _index_select_vjp(F, g, out, source, index, dim=0):
+    spread = _along(F, index, g.shape, dim)
+    return (_scatter_into(F, g, source.shape, source.dtype, dim, spread), None)
+
+
+def _take_along_dim_vjp(F, g, out, source, index, dim=None):
+    if dim is None:
+        flat = F.reshape(index, (index.numel(),))
+        grad = _scatter_into(F, g, (source.numel(),), source.dtype, 0, flat)
+        return (F.reshape(grad, source.shape), None)
+    _, source_target, _ = take_along_shapes(source.shape, index.shape, dim)
+    spread = F.expand(_wrapped(F, index, source.shape[dim]), g.shape)
+    grad = _scatter_into(F, g, source_target, source.dtype, dim, spread)
+    return (F.sum_to(grad, source.shape), None)
+
+
+def _rows_vjp(F, g, index, table_shape, dtype, wrap):
+    """Cotangent of ``table[index]`` (rows along dim 0) for a table of ``table_shape``."""
+    count = index.numel()
+    width = g.numel() // count if count else 0
+    rows = F.reshape(index, (count,))
+    if wrap:
+        rows = _wrapped(F, rows, table_shape[0])
+    spread = F.expand(F.reshape(rows, (count, 1)), (count, width))
+    flat = _scatter_into(F, F.reshape(g, (count, width)), (table_shape[0], width), dtype, 0, spread)
+    return F.reshape(flat, tuple(table_shape))
+
+
+def _embedding_vjp(F, g, out, index, weight, padding_idx=None):
+    if padding_idx is not None:  # that row gets no gradient, as in PyTorch
+        g = F.where(F.unsqueeze(index, -1) == padding_idx, 0.0, g)
+    return (None, _rows_vjp(F, g, index, weight.shape, weight.dtype, wrap=False))
+
+
+def _index_tensor_vjp(F, g, out, source, index):
+    return (_rows_vjp(F, g, index, source.shape, source.dtype, wrap=True), None)
+
+
+def _scatter_add_vjp(F, g, out, target, index, source, dim=0):
+    """``target`` passes ``g`` through; ``src`` reads ``g`` where it was added. A ``src``
+    larger than ``index`` contributed nothing beyond it: zeros there."""
+    picked = F.gather(g, dim, index)
+    for axis, size in enumerate(source.shape):
+        picked = F.unslice_axis(picked, axis, size, 0, 1)
+    return (g, None, picked)
+
+
+def_vjp("gather", _gather_vjp)
+def_vjp("index_select", _index_select_vjp)
+def_vjp("take_along_dim", _take_along_dim_vjp)
+def_vjp("embedding", _embedding_vjp)
+def_vjp("index_tensor", _index_tensor_vjp)
+def_vjp("scatter_add", _scatter_add_vjp)

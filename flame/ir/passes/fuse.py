@@ -173,20 +173,27 @@ class _Grouping:
         return True
 
     def reduction_key(self, root: Node):
-        """The row key of the first reduction a root's kernel would compute, if any."""
+        """The row key of the first reduction a root's kernel would compute, if any; else
+        the key of a materialized reduction over the root's own shape that it reads (then
+        the root is one more pass of that reduction's kernel: layer norm's dx after the
+        row statistics)."""
         seen: set[int] = set()
         stack = [root]
+        joined = None
         while stack:
             node = stack.pop()
             if id(node) in seen or is_input(node):
                 continue
             seen.add(id(node))
+            kind = get_op(node.op).kind
             if node is not root and id(node) in self.materialized:
+                if kind == "reduce" and row_key(node)[0] == root.shape and joined is None:
+                    joined = row_key(node)
                 continue
-            if get_op(node.op).kind == "reduce":
+            if kind == "reduce":
                 return row_key(node)
             stack.extend(node.inputs)
-        return None
+        return joined
 
     def check_internal_views(self, group_nodes: list[Node], key) -> None:
         """A movement chain over a reduction inside its own kernel must be the plain
@@ -248,8 +255,10 @@ def _split_views_of_roots(grouping, buckets):
         root_ids = {id(root) for root in roots}
         members = grouping.members(roots, key)
         member_ids = {id(node) for node in members}
+        # per-row values of a reduce kernel are read through broadcasting views for free
+        free = {id(r) for r in roots if key is not None and r.shape in scalar_shapes(key)}
         viewed = any(
-            node.op in MOVEMENT_OPS and _view_base(node, member_ids) in root_ids
+            node.op in MOVEMENT_OPS and _view_base(node, member_ids) in root_ids - free
             for node in members
         )
         if viewed and len(roots) > 1:
@@ -264,8 +273,17 @@ def _view_base(node: Node, member_ids) -> int:
     return id(node)
 
 
-def _order_groups(groups: list[Group], materialized) -> list[Group] | None:
-    """Kernels in dependency order, or None when merging made a cycle."""
+class _Cycle(Exception):
+    """Merging roots into kernels made kernels depend on each other both ways."""
+
+    def __init__(self, members: set[int]):
+        super().__init__(members)
+        self.members = members
+
+
+def _order_groups(groups: list[Group], materialized) -> list[Group]:
+    """Kernels in dependency order; raises _Cycle (with the groups on it) when merging made
+    two kernels need each other."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
     # graphlib (stdlib) rather than networkx: this runs on every new plan, and importing
     # networkx costs about a second in a fresh process.
@@ -278,8 +296,8 @@ def _order_groups(groups: list[Group], materialized) -> list[Group] | None:
                     dependencies.add(index, source)
     try:
         dependencies.prepare()
-    except graphlib.CycleError:
-        return None
+    except graphlib.CycleError as cycle:
+        raise _Cycle(set(cycle.args[1])) from None
     order = []
     while dependencies.is_active():
         ready = sorted(dependencies.get_ready())  # deterministic: lowest group first
@@ -297,24 +315,29 @@ def fuse(graph: Graph) -> Graph:
         for key, (node, reason) in extra.items():
             materialized[key] = node
             reasons[key] = reason
-    ordered = _order_groups(groups, materialized)
-    if ordered is None:  # merging roots closed a cycle: one kernel per materialized value
-        ordered = _split_groups(graph, materialized, reasons)
+    for _ in range(len(groups) + 1):
+        try:
+            ordered = _order_groups(groups, materialized)
+            break
+        except _Cycle as cycle:  # split the kernels on the cycle into one kernel per value
+            groups = _split_cycle(graph, groups, cycle.members, materialized, reasons)
     return Graph(graph.outputs, graph.name, tuple(ordered))
 
 
-def _split_groups(graph, materialized, reasons) -> list[Group]:
+def _split_cycle(graph, groups, on_cycle, materialized, reasons) -> list[Group]:
     grouping = _Grouping(graph, materialized)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
-    groups = []
-    for node in graph.nodes:
-        if id(node) not in materialized:
+    # split one kernel per round, the smallest that can be split: big row kernels stay whole
+    splittable = [i for i in on_cycle if len(groups[i].outputs) > 1]
+    chosen = min(splittable, key=lambda i: len(groups[i].outputs)) if splittable else None
+    result = []
+    for index, group in enumerate(groups):
+        if index != chosen:
+            result.append(group)
             continue
-        if get_op(node.op).kind == "library":
-            groups.append(Group("library", (node,), (node,), (reasons[id(node)],)))
-            continue
-        key = grouping.reduction_key(node)
-        kind = "reduce" if key is not None else "elementwise"
-        members = sorted(grouping.members([node], key), key=lambda n: position[id(n)])
-        groups.append(Group(kind, tuple(members), (node,), (reasons[id(node)],)))
-    return _order_groups(groups, materialized)
+        for root in group.outputs:
+            key = grouping.reduction_key(root)
+            kind = "reduce" if key is not None else "elementwise"
+            members = sorted(grouping.members([root], key), key=lambda n: position[id(n)])
+            result.append(Group(kind, tuple(members), (root,), (reasons[id(root)],)))
+    return result
