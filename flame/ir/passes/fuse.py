@@ -29,6 +29,7 @@ import graphlib
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.shapes import prod
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.views import MOVEMENT_OPS, View, expand_view, resolve, storage_view
 
@@ -75,10 +76,14 @@ def is_row_alias(node: Node, key) -> bool:
     if resolved is None:
         return False
     base, view = resolved
+    per_row = prod(kept_shape(key))
+    in_row_order = view.offset == 0 and view.strides in (
+        View.contiguous(view.shape).strides, reshape_strides(view.shape)
+    )
     return (
         not is_input(base) and base.shape in scalar_shapes(key)
         and get_op(base.op).kind in ("reduce", "elementwise")
-        and _row_view_fits(view, key) and view.shape in scalar_shapes(key)
+        and prod(view.shape) == per_row and in_row_order
     )  # fmt: skip
 
 

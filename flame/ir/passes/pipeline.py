@@ -11,9 +11,11 @@ from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
 from flame.ir.passes.simplify import simplify
+from flame.ir.passes.split import split_reductions
 from flame.ir.verify import verify
 
 PIPELINE = (
+    split_reductions,  # big reductions with few outputs run in two stages
     simplify,  # fold constants, drop identities (x*1, expand to the same shape, ...)
     cse,  # one node per distinct computation
     dce,  # only what the outputs need
