@@ -2,7 +2,10 @@
 
 The reference is PyTorch eager's own first output where it runs (it goes first), otherwise the
 expression in NumPy float64 on the same inputs (rounded to bfloat16 first where the workload's
-inputs are bfloat16, as every system sees them).
+inputs are bfloat16, as every system sees them), or the workload's own float64 oracle.
+
+A workload with several outputs (forward + backward) is checked output by output; its error is
+the largest, and each output's error is kept under ``per_output``.
 """
 
 import numpy
@@ -57,6 +60,16 @@ def oracle_input(array, spec):
     return host.astype(numpy.float64) if host.dtype.kind == "f" else host
 
 
+def output_parts(workload, output) -> list:
+    """The outputs of one call as a list: one entry, or one per declared output name."""
+    if not workload.output_names:
+        return [output]
+    parts = list(output)
+    if len(parts) != len(workload.output_names):
+        raise ValueError(f"{len(parts)} outputs, declared {workload.output_names}")
+    return parts
+
+
 class Reference:
     """The answer every system is checked against, and the check itself."""
 
@@ -65,40 +78,52 @@ class Reference:
         self.inputs = inputs
         self.specs = specs
         self.xp = xp
-        self.expected_shape = workload.output(tuple(spec.shape for spec in specs))
-        self.array = None
+        shapes = tuple(spec.shape for spec in specs)
+        output = workload.output(shapes)
+        self.expected_shapes = [tuple(s) for s in output] if workload.output_names else [output]
+        self.arrays = None
         self.name = None
 
     def check(self, system, output) -> dict:
-        if self.array is None and system.key == "torch_eager":
-            self._set(as_check_array(output, self.xp), "torch eager")
+        parts = [as_check_array(part, self.xp) for part in output_parts(self.workload, output)]
+        if self.arrays is None and system.key == "torch_eager":
+            self._set(parts, "torch eager")
             return {"is_reference": True}
-        if self.array is None:
+        if self.arrays is None:
             self._set(self._numpy_float64(), "numpy float64")
-        result = as_check_array(output, self.xp)
-        error = relative_l2_error(result, self.array, self.xp)
-        finite = bool(self.xp.isfinite(result).all())
+        errors = [
+            relative_l2_error(part, reference, self.xp)
+            for part, reference in zip(parts, self.arrays, strict=True)
+        ]
+        finite = all(bool(self.xp.isfinite(part).all()) for part in parts)
         tolerance = self.workload.tolerance
-        return {
+        error = max(errors, key=lambda value: value if value == value else float("inf"))
+        result = {
             "reference": self.name,
             "rel_l2_error": error,
             "all_finite": finite,
             "tolerance": tolerance,
-            "passed": finite and error < tolerance,  # NaN compares false, so it fails too
+            # NaN compares false, so it fails too
+            "passed": finite and all(value < tolerance for value in errors),
         }
+        if self.workload.output_names:
+            result["per_output"] = dict(zip(self.workload.output_names, errors, strict=True))
+        return result
 
-    def _set(self, array, name: str):
+    def _set(self, arrays, name: str):
         # The declared output shape sets the floor: a reference of another shape means the
         # declaration is wrong, and the floor with it.
-        if tuple(array.shape) != tuple(self.expected_shape):
-            raise ValueError(
-                f"{name} output shape {tuple(array.shape)} != declared {self.expected_shape}"
-            )
-        self.array, self.name = array, name
+        shapes = [tuple(array.shape) for array in arrays]
+        if shapes != [tuple(shape) for shape in self.expected_shapes]:
+            raise ValueError(f"{name} output shapes {shapes} != declared {self.expected_shapes}")
+        self.arrays, self.name = arrays, name
 
-    def _numpy_float64(self):
+    def _numpy_float64(self) -> list:
         host = [
             oracle_input(array, spec) for array, spec in zip(self.inputs, self.specs, strict=True)
         ]
-        value = self.workload.expression(array_ops(numpy), *host)
-        return self.xp.asarray(value)
+        if self.workload.oracle is not None:
+            value = self.workload.oracle(*host)
+        else:
+            value = self.workload.expression(array_ops(numpy), *host)
+        return [self.xp.asarray(part) for part in output_parts(self.workload, value)]

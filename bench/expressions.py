@@ -42,6 +42,27 @@ def cross_entropy(ops, logits, target):
     return ops.cross_entropy(logits, target)
 
 
+def differentiates(expression):
+    """Marks an expression that computes gradients through ``ops.vjp_outputs`` (see
+    ``bench.gradients``); torch.compile then compiles its forward, not the whole expression."""
+    expression.differentiates = True
+    return expression
+
+
+@differentiates
+def layer_norm_fwd_bwd(ops, x, weight, bias, dy):
+    """y = layer_norm(x, w, b) and the gradients of sum(y * dy): (y, dx, dw, db)."""
+    y, grads = ops.vjp_outputs(layer_norm, (x, weight, bias), (), dy)
+    return (y, *grads)
+
+
+@differentiates
+def cross_entropy_fwd_bwd(ops, logits, target):
+    """The mean cross-entropy and its gradient with respect to the logits: (loss, dlogits)."""
+    loss, (dlogits,) = ops.vjp_outputs(cross_entropy, (logits,), (target,), None)
+    return loss, dlogits
+
+
 def sum_middle(ops, x):
     return x.sum(1)
 
@@ -85,7 +106,9 @@ def mean_keepdim(value, dim):
 def flame_ops(flame):
     # Ops past the core's FLAME_API are looked up when called: a FLAME without one fails
     # the workloads that use it, not the whole run.
-    return SimpleNamespace(
+    from bench import gradients
+
+    ops = SimpleNamespace(
         gelu_tanh=lambda value: flame.gelu(value, approximate="tanh"),
         sigmoid=flame.sigmoid,
         tanh=flame.tanh,
@@ -97,11 +120,16 @@ def flame_ops(flame):
         mean_keepdim=mean_keepdim,
         matmul=lambda left, right: flame.matmul(left, right),
     )
+    ops.vjp_outputs = gradients.flame_vjp_outputs(flame, ops)
+    return ops
 
 
-def torch_ops(torch):
+def torch_ops(torch, compiler=None):
+    """``compiler``: ``torch.compile`` for the forward of expressions that differentiate."""
+    from bench import gradients
+
     functional = torch.nn.functional
-    return SimpleNamespace(
+    ops = SimpleNamespace(
         gelu_tanh=lambda value: functional.gelu(value, approximate="tanh"),
         sigmoid=torch.sigmoid,
         tanh=torch.tanh,
@@ -113,6 +141,8 @@ def torch_ops(torch):
         mean_keepdim=mean_keepdim,
         matmul=torch.matmul,
     )
+    ops.vjp_outputs = gradients.torch_vjp_outputs(torch, ops, compiler)
+    return ops
 
 
 def array_ops(xp):

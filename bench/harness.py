@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy
 
-from bench import environment, timing
+from bench import environment, memory, timing
 from bench.checks import Reference
 from bench.systems import discover_systems
 from bench.workloads import DEVICE, FLAME_ONLY, FLOAT32_TOLERANCE, HOST
@@ -144,6 +144,8 @@ def measure_device(session, workload, system, inputs, reference) -> dict:
         setup, timed = system.split(workload.expression, function, adopted)
         spin = timing.spin_seconds(latency)
         device = timing.device_ms(system, setup, timed, options.repeats, spin)
+        if workload.peak_memory:
+            entry["peak_memory"] = memory.measure(system, call)
     return {**entry, "steady": steady, "latency": latency, "device": device, "spin_ms": spin * 1e3}
 
 
@@ -217,6 +219,14 @@ def run_flame_only(session, workload) -> dict:
     return results
 
 
+def output_names_and_shapes(workload, quick: bool) -> dict:
+    """Workloads with several outputs list them all (``output_shape`` is the first's)."""
+    if not workload.output_names:
+        return {}
+    pairs = zip(workload.output_names, workload.output_shapes(quick), strict=True)
+    return {"output_shapes": {name: list(shape) for name, shape in pairs}}
+
+
 def run_workload(session, workload) -> dict:
     quick = session.options.quick
     row = {
@@ -226,6 +236,7 @@ def run_workload(session, workload) -> dict:
         "shapes": [list(shape) for shape in workload.shapes(quick)],
         "dtypes": [spec.dtype for spec in workload.input_specs(quick)],
         "output_shape": list(workload.output_shape(quick)),
+        **output_names_and_shapes(workload, quick),
         "output_dtype": workload.output_dtype,
     }
     if workload.kind == DEVICE:

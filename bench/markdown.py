@@ -216,7 +216,7 @@ def correctness_lines(report: dict) -> list[str]:
                 cells.append("reference")
             elif "rel_l2_error" in check:
                 verdict = "" if check["passed"] else " FAILED"
-                cells.append(f"{check['rel_l2_error']:.1e}{verdict}")
+                cells.append(f"{check['rel_l2_error']:.1e}{worst_output(check)}{verdict}")
             else:
                 cells.append(status_cell(row["results"].get(key, {})) or DASH)
         shown_tolerance = f"{tolerance:.0e}" if tolerance is not None else DASH
@@ -226,6 +226,56 @@ def correctness_lines(report: dict) -> list[str]:
     title = "## Correctness: relative L2 error (flame must be under the tolerance)"
     header = ["workload", "reference", "tolerance", *SYSTEM_LABELS.values()]
     return [title, "", *table(header, rows), ""]
+
+
+def worst_output(check: dict) -> str:
+    """For several outputs (forward + backward): which one the error shown is."""
+    errors = check.get("per_output")
+    if not errors:
+        return ""
+    return f" ({max(errors, key=lambda name: errors[name])})"
+
+
+def memory_cell(entry: dict) -> str:
+    cell = status_cell(entry)
+    if cell is not None:
+        return cell
+    peak = entry.get("peak_memory", {})
+    if "peak_mb" not in peak:
+        return f"error: {peak['error']}" if "error" in peak else DASH
+    return f"{number(peak['peak_mb'])} MB (outputs {number(peak['outputs_mb'])})"
+
+
+def memory_verdict_cells(row: dict) -> list[str]:
+    """FLAME over eager, FLAME minus eager in MB (a ratio of 1.00 can still miss), verdict."""
+    ratio = row.get("peak_memory_flame_over_eager")
+    if ratio is None:
+        return [DASH, DASH, DASH]
+    flame = row["results"]["flame"]["peak_memory"]["peak_mb"]
+    eager = row["results"]["torch_eager"]["peak_memory"]["peak_mb"]
+    verdict = "yes" if row["peak_memory_target_met"] else "**no**"
+    return [f"{ratio:.2f}", f"{flame - eager:+.3f} MB", verdict]
+
+
+def memory_lines(report: dict) -> list[str]:
+    rows = []
+    for row in report["workloads"]:
+        results = row.get("results", {})
+        if not any("peak_memory" in entry for entry in results.values()):
+            continue
+        cells = [memory_cell(results.get(key, {})) for key in SYSTEMS if key != "cupy_fuse"]
+        rows.append([row["name"], *cells, *memory_verdict_cells(row)])
+    if not rows:
+        return []
+    title = "## Peak memory of one forward + backward call (MB above the inputs, outputs included)"
+    header = ["workload", "flame", "torch eager", "torch.compile", "flame / eager"]
+    header += ["flame − eager", "flame ≤ eager"]
+    method = (
+        "flame: CuPy MemoryHook on the default pool (largest bytes in use during the call); "
+        "torch: max_memory_allocated() after reset_peak_memory_stats(); reference backend: "
+        "tracemalloc. Details in bench.json (measures.peak_memory)."
+    )
+    return [title, "", *table(header, rows), "", method, ""]
 
 
 def one_line(text: str) -> str:
@@ -286,6 +336,7 @@ def render(report: dict) -> str:
     rows = report["workloads"]
     lines = header_lines(report)
     lines += first_call_lines(report) + compile_lines(report) + correctness_lines(report)
+    lines += memory_lines(report)
     if any(row["kind"] == DEVICE for row in rows):
         lines += ["## Device time only (host work hidden behind a spin kernel)", ""]
         lines += render_rows(rows, device_only=True) + [""]

@@ -32,6 +32,19 @@ def annotate(row: dict, copy: dict | None):
         annotate_bandwidth(row, copy)
     if row["kind"] in (DEVICE, HOST):
         annotate_ratios(row)
+    annotate_memory(row)
+
+
+def annotate_memory(row: dict):
+    """FLAME's peak memory over PyTorch eager's; issue 4's target is FLAME <= eager."""
+    peaks = {
+        key: entry["peak_memory"]["peak_mb"]
+        for key, entry in row["results"].items()
+        if entry.get("status") in ("ok", "FAILED") and "peak_mb" in entry.get("peak_memory", {})
+    }
+    if "flame" in peaks and peaks.get("torch_eager"):
+        row["peak_memory_flame_over_eager"] = peaks["flame"] / peaks["torch_eager"]
+        row["peak_memory_target_met"] = peaks["flame"] <= peaks["torch_eager"]
 
 
 def annotate_bandwidth(row: dict, copy: dict | None):
@@ -136,8 +149,14 @@ MEASURES_EXPLAINED = {
     "host": "wall time over host_calls calls, then one synchronize, per call",
     "first_call_ms": "wall time of the first call in this process, compile included",
     "floor_ms": "bytes that must move (inputs read once, output written once) / copy bandwidth; "
-    "for rows with flops (matrix products): FLOPs / torch eager's measured rate (device time)",
+    "for rows with flops (matrix products): FLOPs / torch eager's measured rate (device time); "
+    "forward + backward rows: their declared passes (see the row's description)",
     "tflop_per_s": "flops / median time (rows with flops only)",
+    "peak_memory": "forward + backward rows: MB (10^6 B) allocated at the peak of one call after "
+    "warm-up, above what was allocated before it (inputs not counted, outputs counted); FLAME: "
+    "CuPy MemoryHook on the default pool (pool_growth_mb: total_bytes() growth after "
+    "free_all_blocks(), a cross-check only: split blocks that stay cached are reused); torch: "
+    "max_memory_allocated() after reset_peak_memory_stats()",
     "flame_speedup": "peer median / FLAME median on the headline measure (> 1: FLAME faster)",
 }
 

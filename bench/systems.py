@@ -110,18 +110,26 @@ class FlameSystem(System):
                 self.notes.append(note)
             return self.module.tensor(cupy.asnumpy(array))
 
+    def realize(self, value):
+        """One output, or several (forward + backward) realized together: one schedule."""
+        if isinstance(value, tuple):
+            self.module.realize(*value)
+            return value
+        return value.realize()
+
     def compile(self, expression):
         ops = expressions.flame_ops(self.module)
 
         def call(*inputs):
-            return expression(ops, *inputs).realize()
+            return self.realize(expression(ops, *inputs))
 
         return call
 
     def split(self, expression, call, inputs):
-        # Device time: build the lazy graph outside the events, time only realize().
+        # Device time: build the lazy graph (and its backward) outside the events, time only
+        # realize().
         ops = expressions.flame_ops(self.module)
-        return (lambda: expression(ops, *inputs)), (lambda lazy: lazy.realize())
+        return (lambda: expression(ops, *inputs)), self.realize
 
 
 class TorchEagerSystem(System):
@@ -190,6 +198,11 @@ class TorchCompileSystem(TorchEagerSystem):
             self.skip_reason = f"torch {self.torch.__version__} has no torch.compile"
 
     def compile(self, expression):
+        if getattr(expression, "differentiates", False):
+            # The forward is compiled; AOTAutograd compiles its backward, and autograd.grad
+            # runs it (autograd.grad inside a compiled function would be a graph break).
+            ops = expressions.torch_ops(self.torch, compiler=self.torch.compile)
+            return expressions.bind(expression, ops)
         return self.torch.compile(super().compile(expression))
 
 

@@ -7,6 +7,10 @@ Kinds:
 - ``HOST``: tiny tensors, where the host's time per call is the cost; wall time over many calls.
 - ``FLAME_ONLY``: FLAME's own costs (graph building, compiling); a runner in ``flame_only``.
 
+Forward + backward workloads (``bench.gradients``) have several outputs (``output_names``; then
+``output`` gives one shape per name), their own floor (``floor``: bytes from the input specs),
+a float64 oracle with the backward written out (``oracle``), and a peak-memory measurement.
+
 Inputs are standard-normal floats (never zeros) or integers drawn from ``[0, high)``.
 bfloat16 inputs are drawn as float32 and cast by each system (CuPy has no bfloat16), so every
 system sees the same rounded values.
@@ -16,7 +20,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from bench import expressions, flame_only
+from bench import expressions, flame_only, gradients
 
 DEVICE = "device"
 HOST = "host"
@@ -114,6 +118,10 @@ class Workload:
     skip: Mapping[str, str] = field(default_factory=dict)  # system key -> why it cannot run it
     requires: str | None = None  # a flame attribute; without it the whole row is skipped
     matmul_precision: str | None = None  # float32 products: "highest" means no TF32 anywhere
+    output_names: tuple[str, ...] = ()  # several outputs: ``output`` gives a shape for each
+    floor: Callable | None = None  # bytes that must move, from the input specs
+    oracle: Callable | None = None  # NumPy float64 reference from the inputs, if not expression
+    peak_memory: bool = False  # also measure the peak memory of one call
 
     def input_specs(self, quick: bool) -> tuple[ArraySpec, ...]:
         return tuple(declared.spec(quick) for declared in self.inputs)
@@ -122,7 +130,15 @@ class Workload:
         return tuple(spec.shape for spec in self.input_specs(quick))
 
     def output_shape(self, quick: bool) -> tuple[int, ...]:
+        """The output's shape; with several outputs, the first one's."""
+        if self.output_names:
+            return self.output_shapes(quick)[0]
         return tuple(self.output(self.shapes(quick)))
+
+    def output_shapes(self, quick: bool) -> tuple[tuple[int, ...], ...]:
+        if not self.output_names:
+            return (self.output_shape(quick),)
+        return tuple(tuple(shape) for shape in self.output(self.shapes(quick)))
 
     @property
     def output_dtype(self) -> str:
@@ -130,7 +146,10 @@ class Workload:
         return self.inputs[0].dtype
 
     def floor_bytes(self, quick: bool) -> int:
-        """Bytes that must move: every input read once and the output written once."""
+        """Bytes that must move: every input read once and the output written once, unless
+        the workload declares its own ``floor``."""
+        if self.floor is not None:
+            return int(self.floor(self.input_specs(quick)))
         moved = sum(spec.nbytes for spec in self.input_specs(quick))
         return moved + math.prod(self.output_shape(quick)) * ITEMSIZE[self.output_dtype]
 
@@ -212,6 +231,44 @@ WORKLOADS = (
         expression=expressions.cross_entropy,
         output=scalar_output,
         skip=NO_FUSE_REDUCTIONS,
+    ),
+    Workload(
+        name="layer_norm_fwd_bwd",
+        kind=DEVICE,
+        description="y = layer_norm(x, (4096,), w, b) and the gradients of sum(y * dy) (dy a fixed "
+        "random [16384,4096]): y, dx, dw, db; floor 5 passes over x's 268 MB = 1.34 GB "
+        "(forward reads x, writes y; backward reads x, dy, writes dx; w, b, dw, db negligible)",
+        inputs=floats(
+            (ROWS_FULL, ROWS_QUICK),
+            (FEATURES_FULL, FEATURES_QUICK),
+            (FEATURES_FULL, FEATURES_QUICK),
+            (ROWS_FULL, ROWS_QUICK),
+        ),
+        expression=expressions.layer_norm_fwd_bwd,
+        output=gradients.layer_norm_outputs,
+        output_names=("y", "dx", "dw", "db"),
+        floor=gradients.layer_norm_floor_bytes,
+        oracle=gradients.layer_norm_fwd_bwd_oracle,
+        peak_memory=True,
+        skip=gradients.FORWARD_BACKWARD_SKIP,
+    ),
+    Workload(
+        name="cross_entropy_fwd_bwd",
+        kind=DEVICE,
+        description="loss = cross_entropy(logits, target) (mean) and dlogits; logits [8192,32000], "
+        "target [8192] int64; floor 3 passes over the logits' 1.05 GB = 3.15 GB (read twice, "
+        "dlogits written)",
+        inputs=(
+            Input((8192, 32000), (256, 512)),
+            Input((8192,), (256,), INT64, high=(32000, 512)),
+        ),
+        expression=expressions.cross_entropy_fwd_bwd,
+        output=gradients.cross_entropy_outputs,
+        output_names=("loss", "dlogits"),
+        floor=gradients.cross_entropy_floor_bytes,
+        oracle=gradients.cross_entropy_fwd_bwd_oracle,
+        peak_memory=True,
+        skip=gradients.FORWARD_BACKWARD_SKIP,
     ),
     Workload(
         name="sum_middle",

@@ -9,14 +9,15 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy
 import pytest
 
-from bench import checks, harness, markdown, report
-from bench.systems import FLAME_API, System, TorchEagerSystem
+from bench import checks, expressions, harness, markdown, report
+from bench.systems import FLAME_API, FlameSystem, System, TorchEagerSystem
 from bench.workloads import DEVICE, WORKLOAD_NAMES, find_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,3 +274,117 @@ def test_torch_tf32_is_off_only_inside_a_float32_matmul_workload():
             assert flags.allow_tf32 is True
     finally:
         flags.allow_tf32 = saved
+
+
+# --- forward + backward workloads (issue 4) ------------------------------------------------------
+
+FWD_BWD = ("layer_norm_fwd_bwd", "cross_entropy_fwd_bwd")
+
+
+def test_forward_backward_floors_and_outputs():
+    layer_norm = find_workload("layer_norm_fwd_bwd")
+    assert layer_norm.floor_bytes(quick=False) == 5 * 16384 * 4096 * 4 + 4 * 4096 * 4
+    assert layer_norm.output_shapes(quick=False) == ((16384, 4096),) * 2 + ((4096,),) * 2
+    loss = find_workload("cross_entropy_fwd_bwd")
+    assert loss.floor_bytes(quick=False) == 3 * 8192 * 32000 * 4 + 8192 * 8 + 4
+    assert loss.output_shapes(quick=True) == ((), (256, 512))
+    for name in FWD_BWD:
+        workload = find_workload(name)
+        assert "no autograd" in workload.skip["cupy_fuse"] and workload.peak_memory
+
+
+def oracle_case(name, seed=1):
+    """Small float64 inputs for one forward + backward workload, and its oracle's outputs."""
+    rng = numpy.random.default_rng(seed)
+    if name == "layer_norm_fwd_bwd":
+        inputs = [rng.standard_normal(shape) for shape in ((6, 32), (32,), (32,), (6, 32))]
+    else:
+        inputs = [rng.standard_normal((6, 32)), rng.integers(0, 32, 6)]
+    return inputs, find_workload(name).oracle(*inputs)
+
+
+@pytest.mark.parametrize("name", FWD_BWD)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torch_autograd_matches_the_float64_oracle(name, compiled):
+    """The peers' vjp path (eager, and a compiled forward as torch.compile runs it) on the CPU."""
+    torch = pytest.importorskip("torch")
+    compiler = (lambda fn: torch.compile(fn, backend="aot_eager")) if compiled else None
+    ops = expressions.torch_ops(torch, compiler=compiler)
+    inputs, expected = oracle_case(name)
+    outputs = find_workload(name).expression(ops, *(torch.from_numpy(a) for a in inputs))
+    assert len(outputs) == len(expected)
+    for result, reference in zip(outputs, expected, strict=True):
+        assert not result.requires_grad
+        numpy.testing.assert_allclose(result.numpy(), reference, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", FWD_BWD)
+def test_flame_value_and_grad_matches_the_float64_oracle(name):
+    reason = flame_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    import flame
+
+    inputs, expected = oracle_case(name)
+    system = FlameSystem("reference")
+    with system.scope():
+        narrow = [a.astype(numpy.float32) if a.dtype.kind == "f" else a for a in inputs]
+        tensors = [flame.tensor(a) for a in narrow]
+        outputs = system.compile(find_workload(name).expression)(*tensors)
+        assert all(output.is_realized for output in outputs)
+        for result, reference in zip(outputs, expected, strict=True):
+            error = numpy.linalg.norm(result.numpy() - reference) / numpy.linalg.norm(reference)
+            assert error < 1e-5
+
+
+def test_several_outputs_are_checked_one_by_one():
+    workload = find_workload("layer_norm_fwd_bwd")
+    inputs, expected = oracle_case("layer_norm_fwd_bwd")
+    specs = [SimpleNamespace(shape=a.shape, dtype="float32" if a.ndim else "int64") for a in inputs]
+    inputs32 = [a.astype(numpy.float32) for a in inputs]
+    workload = replace(workload, output=lambda shapes: (shapes[0], shapes[0], shapes[1], shapes[1]))
+    reference = checks.Reference(workload, inputs32, specs, numpy)
+    good = reference.check(SimpleNamespace(key="flame"), expected)
+    assert good["passed"] and set(good["per_output"]) == {"y", "dx", "dw", "db"}
+    wrong = list(expected)
+    wrong[2] = wrong[2] * 1.01  # dw off by 1 %
+    bad = reference.check(SimpleNamespace(key="flame"), wrong)
+    assert not bad["passed"] and bad["rel_l2_error"] == pytest.approx(0.01, rel=1e-3)
+    assert markdown.worst_output(bad) == " (dw)"
+
+
+def test_peak_memory_ratio_and_table():
+    row = gpu_like_row()
+    row["name"] = "layer_norm_fwd_bwd"
+    for key, peak in (("flame", 600.0), ("torch_eager", 800.0), ("torch_compile", 700.0)):
+        row["results"][key]["peak_memory"] = {"peak_mb": peak, "outputs_mb": 537.0}
+    report.annotate(row, copy={"gb_per_s": 3000.0})
+    assert row["peak_memory_flame_over_eager"] == pytest.approx(0.75)
+    assert row["peak_memory_target_met"] is True
+    lines = markdown.memory_lines({"workloads": [row]})
+    assert lines[-4].startswith("| layer_norm_fwd_bwd | 600 MB (outputs 537) | 800 MB")
+    assert lines[-4].endswith("| 0.75 | -200.000 MB | yes |")
+
+
+@pytest.mark.slow
+def test_forward_backward_workloads_on_the_reference_backend(tmp_path):
+    reason = flame_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    completed = run_bench(
+        "--backend", "reference", "--quick", "--repeats", "20", "--warmup", "1",
+        "--only", "layer_norm_fwd_bwd", "--only", "cross_entropy_fwd_bwd", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {row["name"]: row for row in data["workloads"]}
+    assert list(rows) == list(FWD_BWD)
+    assert list(rows["layer_norm_fwd_bwd"]["output_shapes"]) == ["y", "dx", "dw", "db"]
+    for row in rows.values():
+        flame = row["results"]["flame"]
+        assert flame["status"] == "ok", (row["name"], flame)
+        assert flame["check"]["reference"] == "numpy float64"
+        assert max(flame["check"]["per_output"].values()) < 1e-4
+        assert flame["peak_memory"]["peak_mb"] >= flame["peak_memory"]["outputs_mb"] > 0
+        assert row["results"]["cupy_fuse"]["reason"] == "no autograd in cupy.fuse"
+    assert "## Peak memory of one forward + backward call" in completed.stdout
