@@ -91,29 +91,12 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         return node  # graph outputs are written anyway: read them, do not recompute
     if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
         return node
-    if op != "expand" and not _leaves_only(child):
-        return node  # it would stop at a reduction anyway: keep the view on the result
     inputs = tuple(
         grand if (grand.op == "const" and grand.shape == ())
         else _movement(op, attrs, grand, site, keep)
         for grand in child.inputs
     )
     return make_node(child.op, inputs, dict(child.attrs), child.site)
-
-
-def _leaves_only(root: Node) -> bool:
-    """No reduction or library call under ``root``: a view pushed down reaches leaves."""
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or node.buffer is not None:
-            continue
-        seen.add(id(node))
-        if get_op(node.op).kind in ("reduce", "library"):
-            return False
-        stack.extend(node.inputs)
-    return True
 
 
 def _identity_movement(node: Node, keep) -> Node | None:
