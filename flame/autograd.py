@@ -266,9 +266,7 @@ def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = Fals
                 f"backward() on a tensor of shape {list(self.shape)} needs grad= (only a "
                 f"one-element output has an implied gradient) [at {site}]"
             )
-        from flame.creation import ones
-
-        grad = ones(self.shape, dtype=self.dtype)
+        grad = _filled(self, 1)
     leaves = []
     for node in _walk([self.node]):
         info = node.grad_info
@@ -327,10 +325,13 @@ def value_and_grad(fn, argnums=0, allow_unused: bool = False):
         if not isinstance(value, Tensor) or value.numel() != 1:
             shown = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise GradError(f"grad: the function must return a one-element tensor, got {shown}")
-        from flame.creation import ones
-
         targets = [args[i] for i in positions]
-        total = cotangents([value], [ones(value.shape, dtype=value.dtype)], [t.node for t in targets], value.backend)
+        for target in targets:
+            if not isinstance(target, Tensor) or not target.dtype.is_float:
+                shown = target.dtype.name if isinstance(target, Tensor) else type(target).__name__
+                raise GradError(f"grad: argument to differentiate must be a float tensor, got {shown}")
+        seed = _filled(value, 1)
+        total = cotangents([value], [seed], [t.node for t in targets], value.backend)
         grads = tuple(_or_zeros(total.get(id(t.node)), t, allow_unused) for t in targets)
         return value, (grads[0] if isinstance(argnums, int) else grads)
 
@@ -351,9 +352,16 @@ def _or_zeros(g, target: Tensor, allow_unused: bool):
             f"a {target.dtype.name}{list(target.shape)} input does not influence the output "
             "(pass allow_unused=True to get zeros)"
         )
-    from flame.creation import zeros
+    return _filled(target, 0)
 
-    return zeros(target.shape, dtype=target.dtype)
+
+def _filled(like: Tensor, value) -> Tensor:
+    """A constant of ``like``'s shape and dtype on ``like``'s backend (not the current one)."""
+    from flame.backend import backend as use_backend
+    from flame.creation import full
+
+    with use_backend(like.backend):
+        return full(like.shape, value, dtype=like.dtype)
 
 
 # --- checkpoint ---------------------------------------------------------------------------------
@@ -376,7 +384,8 @@ def checkpoint(fn, *args):
     instead of keeping them: the recomputation is a fresh copy of the region behind a
     barrier, which the fusion pass can compute inside the backward kernels."""
     out = fn(*args)
-    recompute = Recompute(fn, tuple(args), tuple(a.node for a in args))
+    tensors = tuple(a.node for a in args if isinstance(a, Tensor))
+    recompute = Recompute(fn, tuple(args), tensors)
     node = Node("checkpoint", (out.node,), (("recompute", recompute),), out.dtype, out.shape, out.node.site)
     return Tensor(node, out.backend)
 
@@ -384,13 +393,14 @@ def checkpoint(fn, *args):
 def _checkpoint_vjp(F, g, out, inner, recompute=None):
     token = Token()
     fresh = [
-        Tensor(Node("barrier", (arg.node,), (("token", token),), arg.dtype, arg.shape, arg.node.site), arg.backend)
-        for arg in recompute.args
+        Tensor(Node("barrier", (a.node,), (("token", token),), a.dtype, a.shape, a.node.site), a.backend)
+        if isinstance(a, Tensor) else a  # numbers and other arguments pass through
+        for a in recompute.args
     ]
     again = recompute.fn(*fresh)
-    total = cotangents([again], [g], [t.node for t in fresh], g.backend)
-    grads = [total.get(id(t.node)) for t in fresh]
-    return (None, *grads)
+    barriers = [t for t in fresh if isinstance(t, Tensor)]
+    total = cotangents([again], [g], [t.node for t in barriers], g.backend)
+    return (None, *[total.get(id(t.node)) for t in barriers])
 
 
 def_vjp("checkpoint", _checkpoint_vjp)

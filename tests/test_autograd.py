@@ -232,11 +232,6 @@ def test_checkpoint_gives_the_same_gradients():
     np.testing.assert_allclose(*float64_values([second, second_plain]), rtol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autograd.py checkpoint: Recompute takes a.node of every arg, so a Python number "
-    "argument raises AttributeError (PyTorch's checkpoint accepts non-tensor arguments)",
-)
 def test_checkpoint_accepts_a_number_argument():
     x = fl.tensor(np.float32([1.0, 2.0]))
     gradient = fl.grad(lambda t: fl.sum(fl.checkpoint(lambda a, scale: a * scale, t, 3.0)))(x)
@@ -372,23 +367,12 @@ def test_requires_grad_on_integer_or_bool_raises(dtype):
     np.testing.assert_allclose(x.grad.numpy(), np.array([1, 0, 1], np.float32))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autograd.py value_and_grad/vjp: differentiating an int tensor (argnums pointing "
-    "at it) returns an int 'gradient' instead of raising GradError as requires_grad_ does",
-)
 def test_grad_with_respect_to_an_integer_raises():
     x, counts = fl.tensor(np.float32([1.0, 2.0])), fl.tensor(np.array([1, 2]))
     with pytest.raises(fl.GradError, match="int64"):
         fl.grad(lambda a, b: fl.sum(a * b.float()), argnums=1)(x, counts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autograd.py backward()/value_and_grad: the implied seed ones(...) is created on "
-    "flame.get_backend(), not on the loss's backend: a reference loss differentiated under "
-    "another backend context raises 'mul: tensors on different backends (cuda and reference)'",
-)
 def test_backward_seeds_on_the_loss_backend():
     x = leaf([1.0, 2.0])
     loss = cube_loss(x)
@@ -447,12 +431,6 @@ def test_gpu_softmax_gradients_match_torch(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="ir/passes (fuse): loss and gradient of cross_entropy realized together give a "
-    "Group(kind='reduce') without a reduce node; codegen/reduce.py lower_reduce IndexError "
-    "(CPU repro: test_autograd_ops.py::test_forward_and_backward_lower_together[cross_entropy])",
-)
 def test_gpu_cross_entropy_gradients_match_torch(rng):
     logits = _projected(rng, (128, 1000)) * 3
     target = rng.integers(0, 1000, 128).astype(np.int64)

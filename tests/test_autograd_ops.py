@@ -129,11 +129,6 @@ def test_cast_gradients_match_torch(rng):
         )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="elementwise.py cast vjp returns g.to(x.dtype) for a float->int cast: the "
-    "gradient flows through truncation (d/dx x.int().float() should be 0, as in PyTorch)",
-)
 def test_cast_to_integer_stops_the_gradient(reference_backend):
     x = fl.tensor(np.array([0.3, 1.7, -2.2], dtype=np.float32))
     gradient = fl.grad(lambda t: fl.sum(t.int().float() * t))(x)
@@ -292,16 +287,10 @@ STRUCTURAL = [
     S("clamp", lambda x: fl.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), (distinct(3, 4),)),
 ]  # fmt: skip
 STRUCTURAL_BY_NAME = {case.name: case for case in STRUCTURAL}
-KNOWN_BUGS = {
-    "matmul_dot": "linalg.py _matmul_vjp: for 1-d @ 1-d the cotangent is 0-d and "
-    "F.unsqueeze(g, -2) raises IndexError (dim -2 out of range for a 1-d result)",
-}
+KNOWN_BUGS: dict[str, str] = {}
 # Bugs of the compiled path only (the reference interpreter runs the graph as built).
 FUSION_BUGS = {
     **KNOWN_BUGS,
-    "cross_entropy": "ir/passes (fuse): cross_entropy's loss and its gradient realized together "
-    "give a Group(kind='reduce') holding no reduce node (reasons: 'broadcast of 13 ops would be "
-    "recomputed 5x'); codegen/reduce.py lower_reduce raises IndexError on reduces[0]",
 }
 
 

@@ -355,7 +355,10 @@ for _name, _rule in {
     "maximum": _minmax_vjp(lambda x, y: x > y),
     "minimum": _minmax_vjp(lambda x, y: x < y),
     "where": lambda F, g, out, condition, a, b: (None, F.where(condition, g, 0.0), F.where(condition, 0.0, g)),
-    "cast": lambda F, g, out, x, dtype=None: (g.to(x.dtype),),
+    # through a cast to an integer or bool nothing flows back (as in PyTorch)
+    "cast": lambda F, g, out, x, dtype=None: (
+        (g.to(x.dtype),) if x.dtype.is_float and out.dtype.is_float else (None,)
+    ),
     "barrier": lambda F, g, out, x, token=None: (g,),
 }.items():
     def_vjp(_name, _rule)

@@ -83,11 +83,9 @@ def _matmul_vjp(F, g, out, left, right, precision="highest"):
     is summed away by ``sum_to``."""
     left_matrix = F.reshape(left, (1,) + left.shape) if left.ndim == 1 else left
     right_matrix = F.reshape(right, right.shape + (1,)) if right.ndim == 1 else right
-    g_matrix = g
-    if left.ndim == 1:
-        g_matrix = F.unsqueeze(g_matrix, -2)
-    if right.ndim == 1:
-        g_matrix = F.unsqueeze(g_matrix, -1)
+    # the cotangent as the product of the lifted matrices would have it (a 0-d cotangent of a
+    # dot product becomes [1, 1])
+    g_matrix = F.reshape(g, matmul_shape(left_matrix.shape, right_matrix.shape))
     left_grad = F.matmul(g_matrix, F.transpose(right_matrix, -1, -2))
     right_grad = F.matmul(F.transpose(left_matrix, -1, -2), g_matrix)
     return (

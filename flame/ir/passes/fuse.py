@@ -184,7 +184,7 @@ class _Grouping:
         row statistics)."""
         seen: set[int] = set()
         stack = [root]
-        joined = None
+        joinable, refused = [], set()
         while stack:
             node = stack.pop()
             if id(node) in seen or is_input(node):
@@ -192,13 +192,33 @@ class _Grouping:
             seen.add(id(node))
             kind = get_op(node.op).kind
             if node is not root and id(node) in self.materialized:
-                if kind == "reduce" and row_key(node)[0] == root.shape and joined is None:
-                    joined = row_key(node)
                 continue
             if kind == "reduce":
                 return row_key(node)
+            for child in node.inputs:
+                key = self._joined_key(child, root)
+                if key is not None:
+                    (joinable.append(key[0]) if key[1] else refused.add(key[0]))
             stack.extend(node.inputs)
-        return joined
+        keys = [key for key in joinable if key not in refused]
+        return keys[0] if keys else None
+
+    def _joined_key(self, child: Node, root: Node):
+        """(row key, fits) when ``child`` reads a materialized reduction over ``root``'s
+        shape: it may join that kernel only if it reads it as a per-row broadcast."""
+        resolved = resolve(
+            child, lambda base: View.contiguous(base.shape),
+            lambda m: id(m) not in self.materialized,
+        )
+        if resolved is None:
+            return None
+        base, view = resolved
+        if id(base) not in self.materialized or get_op(base.op).kind != "reduce":
+            return None
+        key = row_key(base)
+        if key[0] != root.shape:
+            return None
+        return key, _row_view_fits(view, key)
 
     def check_internal_views(self, group_nodes: list[Node], key) -> None:
         """A movement chain over a reduction inside its own kernel must be the plain
@@ -239,9 +259,18 @@ def _form_groups(graph: Graph, materialized, reasons):
                 bucket = ("elementwise", node.shape)
         buckets.setdefault(bucket, []).append(node)
     groups = []
-    for (kind, key), roots in _split_views_of_roots(grouping, buckets):
+    pending = list(_split_views_of_roots(grouping, buckets))
+    while pending:
+        (kind, key), roots = pending.pop(0)
         group_key = key if kind == "reduce" else None
         members = grouping.members(roots, group_key)
+        if kind == "reduce" and not any(get_op(n.op).kind == "reduce" for n in members):
+            # its reductions all went to other kernels: what is left is elementwise work
+            by_shape: dict[tuple, list[Node]] = {}
+            for root in roots:
+                by_shape.setdefault(root.shape, []).append(root)
+            pending.extend((("elementwise", shape), rs) for shape, rs in by_shape.items())
+            continue
         if kind == "reduce":
             grouping.check_internal_views(members, key)
         members.sort(key=lambda node: position[id(node)])
@@ -342,7 +371,10 @@ def _split_cycle(graph, groups, on_cycle, materialized, reasons) -> list[Group]:
             continue
         for root in group.outputs:
             key = grouping.reduction_key(root)
-            kind = "reduce" if key is not None else "elementwise"
             members = sorted(grouping.members([root], key), key=lambda n: position[id(n)])
+            has_reduce = any(get_op(n.op).kind == "reduce" for n in members)
+            if key is not None and not has_reduce:  # its reduction is another kernel's now
+                members = sorted(grouping.members([root], None), key=lambda n: position[id(n)])
+            kind = "reduce" if has_reduce else "elementwise"
             result.append(Group(kind, tuple(members), (root,), (reasons[id(root)],)))
     return result
