@@ -245,11 +245,15 @@ def _form_groups(graph: Graph, materialized, reasons):
     grouping = _Grouping(graph, materialized)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     buckets: dict[tuple, list[Node]] = {}
+    bucket_of: dict[int, tuple] = {}
+    depths: dict[int, int] = {}
     library = []
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
         if get_op(node.op).kind == "library":
+            bucket_of[id(node)] = ("library", id(node))
+            depths[id(node)] = _depth(node, materialized, bucket_of, depths)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
             continue
         key = grouping.reduction_key(node)
@@ -257,11 +261,13 @@ def _form_groups(graph: Graph, materialized, reasons):
         if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
             if not is_row_alias(node, key):
                 bucket = ("elementwise", node.shape)
-        buckets.setdefault(bucket, []).append(node)
+        bucket_of[id(node)] = bucket
+        depth = _depth(node, materialized, bucket_of, depths)
+        buckets.setdefault(bucket + (depth,), []).append(node)
     groups = []
     pending = list(_split_views_of_roots(grouping, buckets))
     while pending:
-        (kind, key), roots = pending.pop(0)
+        (kind, key, _depth_), roots = pending.pop(0)
         group_key = key if kind == "reduce" else None
         members = grouping.members(roots, group_key)
         if kind == "reduce" and not any(get_op(n.op).kind == "reduce" for n in members):
@@ -269,7 +275,7 @@ def _form_groups(graph: Graph, materialized, reasons):
             by_shape: dict[tuple, list[Node]] = {}
             for root in roots:
                 by_shape.setdefault(root.shape, []).append(root)
-            pending.extend((("elementwise", shape), rs) for shape, rs in by_shape.items())
+            pending.extend((("elementwise", shape, 0), rs) for shape, rs in by_shape.items())
             continue
         if kind == "reduce":
             grouping.check_internal_views(members, key)
@@ -278,6 +284,27 @@ def _form_groups(graph: Graph, materialized, reasons):
         why = tuple(reasons[id(root)] for root in roots)
         groups.append(Group(kind, tuple(members), tuple(roots), why))
     return groups + library, grouping.extra
+
+
+def _depth(node: Node, materialized, bucket_of, depths) -> int:
+    """How many kernels of other buckets must run before ``node``'s: values of one bucket
+    and one depth can share a kernel without ever waiting for each other (no cycles)."""
+    best = 0
+    seen: set[int] = set()
+    stack = list(node.inputs)
+    while stack:
+        child = stack.pop()
+        if id(child) in seen or is_input(child):
+            continue
+        seen.add(id(child))
+        if id(child) in materialized:
+            if id(child) in depths:
+                same = bucket_of.get(id(child)) == bucket_of[id(node)]
+                best = max(best, depths[id(child)] + (0 if same else 1))
+            continue
+        stack.extend(child.inputs)
+    depths[id(node)] = best
+    return best
 
 
 def _split_views_of_roots(grouping, buckets):
