@@ -247,13 +247,15 @@ def _form_groups(graph: Graph, materialized, reasons):
     buckets: dict[tuple, list[Node]] = {}
     bucket_of: dict[int, tuple] = {}
     depths: dict[int, int] = {}
+    dependencies: dict[int, list[Node]] = {}
+    order: list[Node] = []
     library = []
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
         if get_op(node.op).kind == "library":
             bucket_of[id(node)] = ("library", id(node))
-            depths[id(node)] = _depth(node, materialized, bucket_of, depths)
+            _depth(node, materialized, bucket_of, depths, dependencies)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
             continue
         key = grouping.reduction_key(node)
@@ -262,8 +264,11 @@ def _form_groups(graph: Graph, materialized, reasons):
             if not is_row_alias(node, key):
                 bucket = ("elementwise", node.shape)
         bucket_of[id(node)] = bucket
-        depth = _depth(node, materialized, bucket_of, depths)
-        buckets.setdefault(bucket + (depth,), []).append(node)
+        _depth(node, materialized, bucket_of, depths, dependencies)
+        order.append(node)
+    latest = _latest_depths(order, bucket_of, dependencies, depths)
+    for node in order:
+        buckets.setdefault(bucket_of[id(node)] + (latest[id(node)],), []).append(node)
     groups = []
     pending = list(_split_views_of_roots(grouping, buckets))
     while pending:
@@ -286,10 +291,12 @@ def _form_groups(graph: Graph, materialized, reasons):
     return groups + library, grouping.extra
 
 
-def _depth(node: Node, materialized, bucket_of, depths) -> int:
+def _depth(node: Node, materialized, bucket_of, depths, dependencies) -> int:
     """How many kernels of other buckets must run before ``node``'s: values of one bucket
     and one depth can share a kernel without ever waiting for each other (no cycles)."""
     best = 0
+    found: list[Node] = []
+    dependencies[id(node)] = found
     seen: set[int] = set()
     stack = list(node.inputs)
     while stack:
@@ -301,10 +308,34 @@ def _depth(node: Node, materialized, bucket_of, depths) -> int:
             if id(child) in depths:
                 same = bucket_of.get(id(child)) == bucket_of[id(node)]
                 best = max(best, depths[id(child)] + (0 if same else 1))
+                found.append(child)
             continue
         stack.extend(child.inputs)
     depths[id(node)] = best
     return best
+
+
+def _latest_depths(order, bucket_of, dependencies, depths) -> dict[int, int]:
+    """The latest depth each value can take (as late as its readers allow): values nobody
+    waits for (``db = dy.sum(0)``) then share a kernel with the last values of their kind
+    (``dw``) instead of running alone; edges only ever go to equal or later depths."""
+    deepest: dict[tuple, int] = {}
+    for node in order:
+        bucket = bucket_of[id(node)]
+        deepest[bucket] = max(deepest.get(bucket, 0), depths[id(node)])
+    readers: dict[int, list[Node]] = {}
+    for node in order:
+        for dependency in dependencies[id(node)]:
+            readers.setdefault(id(dependency), []).append(node)
+    latest: dict[int, int] = {}
+    for node in reversed(order):
+        bucket = bucket_of[id(node)]
+        bound = deepest[bucket]
+        for reader in readers.get(id(node), ()):
+            step = 0 if bucket_of[id(reader)] == bucket else 1
+            bound = min(bound, latest[id(reader)] - step)
+        latest[id(node)] = max(bound, depths[id(node)])
+    return latest
 
 
 def _split_views_of_roots(grouping, buckets):
