@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from flame.ir.node import Node, Token, format_site, user_site
+from flame.ir.node import Node, Token, format_site, toposort, user_site
 from flame.ir.ops import get_op
 from flame.ir.ops.registry import def_vjp
 from flame.ir.shapes import ShapeError
@@ -145,23 +145,10 @@ def _relevant(order, targets: set[int]) -> set[int]:
 def _walk(roots) -> list[Node]:
     """Forward nodes from the leaves to ``roots``, through realized values, never into a
     detached one."""
-    order: list[Node] = []
-    seen: set[int] = set()
-    stack = [(node, False) for node in roots]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.append((node, True))
-        if node.op != "detach":
-            for child in node.inputs + _extra_inputs(node):
-                if id(child) not in seen:
-                    stack.append((child, False))
-    return order
+    return toposort(
+        roots, stop=lambda node: node.op == "detach",
+        children=lambda node: node.inputs + _extra_inputs(node),
+    )  # fmt: skip
 
 
 def cotangents(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:

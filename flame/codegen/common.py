@@ -174,3 +174,21 @@ def header(group: Group) -> tuple[str, ...]:
 def kernel_stem(group: Group) -> str:
     ops = [n.op for n in group.nodes if n.inputs and n.op not in MOVEMENT_OPS]
     return "_".join(dict.fromkeys(ops))[:40] or "copy"
+
+
+def buffer_params(group: Group, reads: list[Read]) -> tuple[list, list[Read]]:
+    """The ``out``/``in`` parameters every kernel starts with (outputs, then the buffers it
+    reads; generated reads have none), naming each read's parameter."""
+    from flame.codegen.spec import Arg
+
+    params = [
+        Arg("out", f"{output.dtype.c_storage}*", f"out{position}", operand=position)
+        for position, output in enumerate(group.outputs)
+    ]
+    buffers = [read for read in reads if not read.generated]
+    for position, read in enumerate(reads):
+        read.param = f"in{position}"
+        if not read.generated:
+            ctype = f"const {read.base.dtype.c_storage}* __restrict__"
+            params.append(Arg("in", ctype, read.param, operand=buffers.index(read)))
+    return params, buffers

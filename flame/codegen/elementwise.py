@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 
 from flame.codegen.common import (
-    INDEX_LEAVES, Helpers, Read, collect_reads, const_literal, generated_expression, header, is_scalar_const,
+    INDEX_LEAVES, Helpers, buffer_params, Read, collect_reads, const_literal, generated_expression, header, is_scalar_const,
     kernel_stem, load, op_expression, store,
 )  # fmt: skip
 from flame.codegen.spec import Arg, KernelSpec
@@ -111,15 +111,7 @@ class _Writer:
         self.axis_index: list[str] = []
 
     def build(self, numel) -> Lowered:
-        for position, output in enumerate(self.group.outputs):
-            ctype = f"{output.dtype.c_storage}*"
-            self.params.append(Arg("out", ctype, f"out{position}", operand=position))
-        buffers = [read for read in self.reads if not read.generated]
-        for position, read in enumerate(self.reads):
-            read.param = f"in{position}"
-            if not read.generated:
-                ctype = f"const {read.base.dtype.c_storage}* __restrict__"
-                self.params.append(Arg("in", ctype, read.param, operand=buffers.index(read)))
+        self.params, buffers = buffer_params(self.group, self.reads)
         self.params.append(Arg("size", self.index, "n", numel))
         self._index_math()
         for read in self.reads:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 
 from flame.codegen.common import (
-    Helpers, Read, collect_reads, const_literal, generated_expression, header, kernel_stem,
+    Helpers, Read, buffer_params, collect_reads, const_literal, generated_expression, header, kernel_stem,
     load, op_expression, store,
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, collapse, index_type_for
@@ -118,14 +118,7 @@ class _ReduceWriter:
         return node.shape == self.shape and get_op(node.op).kind != "reduce"
 
     def build(self, out_views) -> Lowered:
-        for position, output in enumerate(self.group.outputs):
-            self.params.append(Arg("out", f"{output.dtype.c_storage}*", f"out{position}", operand=position))
-        buffers = [read for read in self.reads if not read.generated]
-        for position, read in enumerate(self.reads):
-            read.param = f"in{position}"
-            if not read.generated:
-                ctype = f"const {read.base.dtype.c_storage}* __restrict__"
-                self.params.append(Arg("in", ctype, read.param, operand=buffers.index(read)))
+        self.params, buffers = buffer_params(self.group, self.reads)
         self.params.append(Arg("size", self.index, "num_outer", self.space.num_outer))
         self.params.append(Arg("size", self.index, "num_inner", self.space.num_inner))
         self._outer_math(out_views)

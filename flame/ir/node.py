@@ -129,10 +129,12 @@ class Node:
         return f"Node({self.op}: {self.dtype.short}[{shape}])"
 
 
-def toposort(outputs, stop=None) -> list[Node]:
+def toposort(outputs, stop=None, children=None) -> list[Node]:
     """Nodes reachable from ``outputs``, inputs before users, in a deterministic order.
 
-    ``stop(node)`` true means: treat the node as a leaf (do not visit its inputs).
+    ``stop(node)`` true means: treat the node as a leaf (do not visit its inputs);
+    ``children(node)`` replaces ``node.inputs`` as the edges to follow (autograd adds a
+    checkpoint's arguments).
     """
     order: list[Node] = []
     seen: set[int] = set()
@@ -151,7 +153,7 @@ def toposort(outputs, stop=None) -> list[Node]:
             stack.append((node, True))
             if stop is not None and stop(node):
                 continue
-            for child in reversed(node.inputs):
+            for child in reversed(node.inputs if children is None else children(node)):
                 if id(child) not in seen:
                     stack.append((child, False))
     return order
