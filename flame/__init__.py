@@ -4,36 +4,94 @@ Tensor ops build a lazy IR graph; realizing a tensor fuses the graph into kernel
 them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs them.
 """
 
+from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 from flame._version import __version__
+from flame.autograd import (
+    GradError,
+    checkpoint,
+    enable_grad,
+    grad,
+    is_grad_enabled,
+    no_grad,
+    value_and_grad,
+    vjp,
+)  # fmt: skip
 from flame.backend import backend, get_backend, synchronize
 from flame.creation import (
-    arange, from_dlpack, from_numpy, full, full_like, ones, ones_like, rand, rand_like,
-    randn, randn_like, tensor, zeros, zeros_like,
+    arange,
+    bernoulli,
+    from_dlpack,
+    from_numpy,
+    full,
+    full_like,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randn,
+    randn_like,
+    tensor,
+    zeros,
+    zeros_like,
 )  # fmt: skip
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
-from flame.ir.dtypes import (
-    DType, bfloat16, bool_, float16, float32, int32, int64, promote as promote_types,
-)  # fmt: skip
-from flame.ir.shapes import ShapeError
-from flame.tensor import Tensor, clamp, realize
-from flame.views import (
-    broadcast_to, expand, flatten, flip, narrow, permute, reshape, squeeze, transpose, unsqueeze,
-)  # fmt: skip
-from flame.reductions import (
-    all, amax, amin, any, argmax, argmin, logsumexp, max, mean, min, prod_ as prod, std, sum, var,
-)  # fmt: skip
-from flame.joining import cat, pad, repeat, stack, tril, triu
-from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
 from flame.indexing import (
-    embedding, gather, index_select, index_tensor, masked_fill, one_hot, scatter_add,
+    embedding,
+    gather,
+    index_select,
+    index_tensor,
+    masked_fill,
+    one_hot,
+    scatter_add,
     take_along_dim,
 )  # fmt: skip
-from flame.creation import bernoulli
-from flame.autograd import (
-    GradError, checkpoint, enable_grad, grad, is_grad_enabled, no_grad, value_and_grad, vjp,
+from flame.ir.dtypes import (
+    DType,
+    bfloat16,
+    bool_,
+    float16,
+    float32,
+    int32,
+    int64,
 )  # fmt: skip
-from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
+from flame.ir.dtypes import (
+    promote as promote_types,
+)
+from flame.ir.shapes import ShapeError
+from flame.joining import cat, pad, repeat, stack, tril, triu
+from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
+from flame.reductions import (
+    all,
+    amax,
+    amin,
+    any,
+    argmax,
+    argmin,
+    logsumexp,
+    max,
+    mean,
+    min,
+    std,
+    sum,
+    var,
+)  # fmt: skip
+from flame.reductions import (
+    prod_ as prod,
+)
+from flame.tensor import Tensor, clamp, realize
+from flame.views import (
+    broadcast_to,
+    expand,
+    flatten,
+    flip,
+    narrow,
+    permute,
+    reshape,
+    squeeze,
+    transpose,
+    unsqueeze,
+)  # fmt: skip
 
 half = float16
 float = float32  # noqa: A001 (PyTorch's spelling: flame.float)

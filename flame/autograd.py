@@ -26,7 +26,6 @@ from flame.tensor import Tensor
 from flame.tensor import grad_enabled as _grad_enabled
 
 
-
 class GradError(RuntimeError):
     """A gradient was asked for in a way that has no answer; the message says why."""
 
@@ -74,7 +73,9 @@ def _functions() -> SimpleNamespace:
             return g
         lead = g.ndim - len(shape)
         axes = tuple(range(lead)) + tuple(
-            lead + axis for axis, size in enumerate(shape) if size == 1 and g.shape[lead + axis] != 1
+            lead + axis
+            for axis, size in enumerate(shape)
+            if size == 1 and g.shape[lead + axis] != 1
         )
         summed = fl.sum(g, axes, keepdim=True) if axes else g
         return views.reshape(summed, shape)
@@ -191,7 +192,9 @@ def _where(node: Node) -> str:
 
 def _accumulate(total, node: Node, grad: Tensor) -> None:
     if grad.shape != node.shape:
-        raise ShapeError(f"gradient of shape {list(grad.shape)} for a value of shape {list(node.shape)}")
+        raise ShapeError(
+            f"gradient of shape {list(grad.shape)} for a value of shape {list(node.shape)}"
+        )
     if grad.dtype is not node.dtype:
         grad = grad.to(node.dtype)
     previous = total.get(id(node))
@@ -207,7 +210,11 @@ def _run_hooks(node: Node, g: Tensor) -> Tensor:
         if result is None:
             continue
         if not isinstance(result, Tensor) or result.shape != g.shape or result.dtype is not g.dtype:
-            shown = f"{result.dtype.name}{list(result.shape)}" if isinstance(result, Tensor) else type(result).__name__
+            shown = (
+                f"{result.dtype.name}{list(result.shape)}"
+                if isinstance(result, Tensor)
+                else type(result).__name__
+            )
             raise GradError(
                 f"hook {getattr(hook, '__name__', hook)!r} returned {shown}; the gradient is "
                 f"{g.dtype.name}{list(g.shape)} and a hook must return the same shape and dtype"
@@ -228,7 +235,8 @@ def _info(tensor: Tensor) -> GradInfo:
 def requires_grad_(self: Tensor, requires_grad: bool = True) -> Tensor:
     if requires_grad and not self.dtype.is_float:
         raise GradError(
-            f"only float tensors can require gradients, got {self.dtype.name} [at {format_site(user_site())}]"
+            f"only float tensors can require gradients, got {self.dtype.name} "
+            f"[at {format_site(user_site())}]"
         )
     info = _info(self)
     info.owner = weakref.ref(self) if requires_grad else None
@@ -316,7 +324,9 @@ def value_and_grad(fn, argnums=0, allow_unused: bool = False):
         for target in targets:
             if not isinstance(target, Tensor) or not target.dtype.is_float:
                 shown = target.dtype.name if isinstance(target, Tensor) else type(target).__name__
-                raise GradError(f"grad: argument to differentiate must be a float tensor, got {shown}")
+                raise GradError(
+                    f"grad: argument to differentiate must be a float tensor, got {shown}"
+                )
         seed = _filled(value, 1)
         total = cotangents([value], [seed], [t.node for t in targets], value.backend)
         grads = tuple(_or_zeros(total.get(id(t.node)), t, allow_unused) for t in targets)
@@ -326,7 +336,7 @@ def value_and_grad(fn, argnums=0, allow_unused: bool = False):
 
 
 def grad(fn, argnums=0, allow_unused: bool = False):
-    """``grad(fn)(*args)``: the gradient of a one-element ``fn`` with respect to ``args[argnums]``."""
+    """``grad(fn)(*args)``: the gradient of a one-element ``fn`` w.r.t. ``args[argnums]``."""
     inner = value_and_grad(fn, argnums, allow_unused)
     return lambda *args: inner(*args)[1]
 
@@ -373,15 +383,21 @@ def checkpoint(fn, *args):
     out = fn(*args)
     tensors = tuple(a.node for a in args if isinstance(a, Tensor))
     recompute = Recompute(fn, tuple(args), tensors)
-    node = Node("checkpoint", (out.node,), (("recompute", recompute),), out.dtype, out.shape, out.node.site)
+    node = Node(
+        "checkpoint", (out.node,), (("recompute", recompute),), out.dtype, out.shape, out.node.site
+    )
     return Tensor(node, out.backend)
 
 
 def _checkpoint_vjp(F, g, out, inner, recompute=None):
     token = Token()
     fresh = [
-        Tensor(Node("barrier", (a.node,), (("token", token),), a.dtype, a.shape, a.node.site), a.backend)
-        if isinstance(a, Tensor) else a  # numbers and other arguments pass through
+        Tensor(
+            Node("barrier", (a.node,), (("token", token),), a.dtype, a.shape, a.node.site),
+            a.backend,
+        )
+        if isinstance(a, Tensor)
+        else a  # numbers and other arguments pass through
         for a in recompute.args
     ]
     again = recompute.fn(*fresh)

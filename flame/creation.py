@@ -103,8 +103,8 @@ def arange(start, end=None, step=1, dtype=None) -> Tensor:
     if step == 0:
         raise ValueError("arange: step must be nonzero")
     all_ints = all(isinstance(v, (int, np.integer)) for v in (start, end, step))
-    target = dtypes.dtype(dtype) if dtype is not None else (
-        dtypes.int64 if all_ints else dtypes.float32
+    target = (
+        dtypes.dtype(dtype) if dtype is not None else (dtypes.int64 if all_ints else dtypes.float32)
     )
     count = max(0, math.ceil((end - start) / step))
     return _generated("arange", (count,), target, user_site(), start=start, step=step)
@@ -172,16 +172,18 @@ def from_dlpack(source) -> Tensor:
     if dtype.numpy != array.dtype:
         raise TypeError(f"from_dlpack: dtype {array.dtype} is not a FLAME dtype")
     storage = Storage("reference", dtype, array=array)
-    return Tensor(Node("buffer", (), (("storage", storage),), dtype, array.shape, site), "reference")
+    return Tensor(
+        Node("buffer", (), (("storage", storage),), dtype, array.shape, site), "reference"
+    )
 
 
 def bernoulli(p, seed=None, shape=None) -> Tensor:
     """1.0 with probability ``p`` (a tensor of probabilities, or a float with ``shape``),
     else 0.0; generated in the consuming kernel from ``seed``."""
     if isinstance(p, Tensor):
-        return (rand(p.shape, seed=seed, dtype=p.dtype if p.dtype.is_float else dtypes.float32) < p).to(
-            p.dtype if p.dtype.is_float else dtypes.float32
-        )
+        return (
+            rand(p.shape, seed=seed, dtype=p.dtype if p.dtype.is_float else dtypes.float32) < p
+        ).to(p.dtype if p.dtype.is_float else dtypes.float32)
     if shape is None:
         raise TypeError("bernoulli: with a float p, give shape=")
     return (rand(shape, seed=seed) < float(p)).to(dtypes.float32)

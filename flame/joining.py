@@ -43,7 +43,9 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
     if mode != "constant":
         raise ValueError(f"pad: only mode='constant' is supported, got {mode!r}")
     if len(pad) % 2 or len(pad) // 2 > x.ndim:
-        raise ShapeError(f"pad: {list(pad)} must hold (before, after) pairs for at most {x.ndim} dims")
+        raise ShapeError(
+            f"pad: {list(pad)} must hold (before, after) pairs for at most {x.ndim} dims"
+        )
     widths = [(0, 0)] * x.ndim
     for pair in range(len(pad) // 2):
         widths[x.ndim - 1 - pair] = (int(pad[2 * pair]), int(pad[2 * pair + 1]))
@@ -77,11 +79,12 @@ def repeat(x: Tensor, *sizes) -> Tensor:
         raise ShapeError(f"repeat: {list(sizes)} has fewer dims than {list(x.shape)}")
     shape = (1,) * (len(sizes) - x.ndim) + x.shape
     interleaved = []
-    for count, size in zip(sizes, shape):
+    for size in shape:
         interleaved += [1, size]
-    tiled = expand(reshape(x, tuple(interleaved)), tuple(
-        v for count, size in zip(sizes, shape) for v in (count, size)
-    ))
+    tiled = expand(
+        reshape(x, tuple(interleaved)),
+        tuple(v for count, size in zip(sizes, shape) for v in (count, size)),
+    )
     return reshape(tiled, tuple(count * size for count, size in zip(sizes, shape)))
 
 

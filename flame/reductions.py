@@ -21,7 +21,11 @@ def _reduce(op: str, x: Tensor, dim, keepdim: bool, name: str) -> Tensor:
         raise TypeError(f"{name}: expected a flame.Tensor, got {type(x).__name__}")
     axes = normalize_axes(dim, x.ndim, name)
     if not axes:
-        return x.to(dtypes.int64) if op in ("reduce_sum", "reduce_prod") and not x.dtype.is_float else x
+        return (
+            x.to(dtypes.int64)
+            if op in ("reduce_sum", "reduce_prod") and not x.dtype.is_float
+            else x
+        )
     result = apply_op(op, x, axes=axes)
     return result if keepdim else _drop(result, axes)
 
@@ -119,8 +123,10 @@ def all(x, dim=None, keepdim=False):  # noqa: A001
 def _arg(x: Tensor, dim, keepdim, pick, name) -> Tensor:
     if dim is None:
         flat = reshape(x, (-1,))
-        return _arg(flat, 0, False, pick, name) if not keepdim else reshape(
-            _arg(flat, 0, False, pick, name), (1,) * x.ndim
+        return (
+            _arg(flat, 0, False, pick, name)
+            if not keepdim
+            else reshape(_arg(flat, 0, False, pick, name), (1,) * x.ndim)
         )
     (axis,) = normalize_axes(dim, x.ndim, name)
     best = pick(x, axis, keepdim=True)

@@ -263,7 +263,14 @@ for _dunder, _op in (
 ):  # fmt: skip
     setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
     setattr(Tensor, f"__r{_dunder}__", _binary_operator(_op, reflected=True))
-for _dunder, _op in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")):
+for _dunder, _op in (
+    ("eq", "eq"),
+    ("ne", "ne"),
+    ("lt", "lt"),
+    ("le", "le"),
+    ("gt", "gt"),
+    ("ge", "ge"),
+):
     setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
 Tensor.__hash__ = object.__hash__
 

@@ -54,7 +54,10 @@ def permute(x: Tensor, *dims) -> Tensor:
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
     dims = list(range(x.ndim))
-    first, second = normalize_axis(dim0, x.ndim, "transpose"), normalize_axis(dim1, x.ndim, "transpose")
+    first, second = (
+        normalize_axis(dim0, x.ndim, "transpose"),
+        normalize_axis(dim1, x.ndim, "transpose"),
+    )
     dims[first], dims[second] = dims[second], dims[first]
     return apply_op("permute", x, dims=tuple(dims))
 
@@ -114,7 +117,9 @@ def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
     if start < 0:
         start += size
     if not (0 <= start <= size and 0 <= length <= size - start):
-        raise IndexError(f"narrow: start {start} and length {length} exceed size {size} of dim {dim}")
+        raise IndexError(
+            f"narrow: start {start} and length {length} exceed size {size} of dim {dim}"
+        )
     ranges = [(0, s, 1) for s in x.shape]
     ranges[axis] = (start, start + length, 1)
     return _slice(x, ranges)

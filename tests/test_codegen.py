@@ -10,8 +10,8 @@ from flame.codegen.elementwise import lower_elementwise
 from flame.codegen.render import code_key, render, spec_key
 from flame.ir.graph import Graph
 from flame.ir.passes import run_pipeline
-from flame.runtime.compiler import KernelCache, KernelCompileError, nvrtc_compile
 from flame.runtime.cache import DiskCache
+from flame.runtime.compiler import KernelCache, KernelCompileError, nvrtc_compile
 from flame.runtime.executor import _layout_of
 
 

@@ -142,7 +142,9 @@ def test_gpu_long_and_short_rows(rows, cols, rng):
     torch = pytest.importorskip("torch")
     t = torch.from_numpy(array.astype(np.float64))
     np.testing.assert_allclose(softmax.numpy(), torch.softmax(t, -1).numpy(), rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(norm.numpy(), torch.nn.functional.layer_norm(t, (cols,)).numpy(), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(
+        norm.numpy(), torch.nn.functional.layer_norm(t, (cols,)).numpy(), rtol=1e-3, atol=1e-4
+    )
 
 
 @pytest.mark.gpu
@@ -172,6 +174,8 @@ def test_gpu_cross_entropy_matches_torch(rng):
     for smoothing in (0.0, 0.1):
         loss = F.cross_entropy(fl.tensor(logits), fl.tensor(target), label_smoothing=smoothing)
         expected = torch.nn.functional.cross_entropy(
-            torch.from_numpy(logits.astype(np.float64)), torch.from_numpy(target), label_smoothing=smoothing
+            torch.from_numpy(logits.astype(np.float64)),
+            torch.from_numpy(target),
+            label_smoothing=smoothing,
         )
         np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-5)

@@ -16,8 +16,19 @@ import hashlib
 from dataclasses import dataclass
 
 from flame.codegen.common import (
-    INDEX_LEAVES, Helpers, buffer_params, Read, collect_reads, const_literal, generated_expression, header, is_scalar_const,
-    kernel_stem, load, op_expression, store,
+    INDEX_LEAVES,
+    Helpers,
+    Read,
+    buffer_params,
+    collect_reads,
+    const_literal,
+    generated_expression,
+    header,
+    is_scalar_const,
+    kernel_stem,
+    load,
+    op_expression,
+    store,
 )  # fmt: skip
 from flame.codegen.spec import Arg, KernelSpec
 from flame.ir.graph import Group
@@ -59,7 +70,9 @@ def collapse(space, stride_sets):
 def index_type_for(numel: int, reads) -> str:
     reach = numel
     for read in reads:
-        span = sum((size - 1) * abs(stride) for size, stride in zip(read.view.shape, read.view.strides))
+        span = sum(
+            (size - 1) * abs(stride) for size, stride in zip(read.view.shape, read.view.strides)
+        )
         reach = max(reach, read.view.offset + span + 1)
     return "int" if reach + numel < 2**31 - 1 else "long long"
 
@@ -170,8 +183,13 @@ class _Writer:
                 offset, step = self._offset(read)
                 self.prologue.append(f"const {self.index} {name}_at = {offset};")
                 index, tail_index = f"({name}_at + k * {step})", self._tail_offset(read, step)
-            self.body.append(f"const {ctype} {name} = {generated_expression(read.base, index, self.helpers)};")
-            self.tail.append(f"const {ctype} {name} = {generated_expression(read.base, tail_index, self.helpers)};")
+            self.body.append(
+                f"const {ctype} {name} = {generated_expression(read.base, index, self.helpers)};"
+            )
+            self.tail.append(
+                f"const {ctype} {name} = "
+                f"{generated_expression(read.base, tail_index, self.helpers)};"
+            )
         elif _is_scalar(read):
             at = f"{read.param}[{read.offset}]"
             self.setup.append(f"const {ctype} {name} = {load(read.base.dtype, at)};")
@@ -185,9 +203,13 @@ class _Writer:
             offset, step = self._offset(read)
             self.prologue.append(f"const {self.index} {name}_at = {offset};")
             lane = f"{name}_at" if step == "0" else f"{name}_at + k * {step}"
-            self.body.append(f"const {ctype} {name} = {load(read.base.dtype, f'{read.param}[{lane}]')};")
+            self.body.append(
+                f"const {ctype} {name} = {load(read.base.dtype, f'{read.param}[{lane}]')};"
+            )
             at = self._tail_offset(read, step)
-            self.tail.append(f"const {ctype} {name} = {load(read.base.dtype, f'{read.param}[{at}]')};")
+            self.tail.append(
+                f"const {ctype} {name} = {load(read.base.dtype, f'{read.param}[{at}]')};"
+            )
         self.values[id(read.top)] = self.tail_values[id(read.top)] = name
 
     def _tail_offset(self, read: Read, step: str) -> str:
@@ -203,7 +225,9 @@ class _Writer:
         name = f"v{len(self.values)}"
         ctype = node.dtype.c_compute
         body = op_expression(node, [self._value(c, self.values) for c in node.inputs], self.helpers)
-        tail = op_expression(node, [self._value(c, self.tail_values) for c in node.inputs], self.helpers)
+        tail = op_expression(
+            node, [self._value(c, self.tail_values) for c in node.inputs], self.helpers
+        )
         self.body.append(f"const {ctype} {name} = {body};")
         self.tail.append(f"const {ctype} {name} = {tail};")
         self.values[id(node)] = self.tail_values[id(node)] = name
@@ -220,7 +244,9 @@ class _Writer:
             vector = f"FlameVec<{storage}, {self.vec}>"
             self.prologue.append(f"{vector} out{position}_vec;")
             self.body.append(f"out{position}_vec.v[k] = {store(output.dtype, value)};")
-            self.epilogue.append(f"*reinterpret_cast<{vector}*>(out{position} + base) = out{position}_vec;")
+            self.epilogue.append(
+                f"*reinterpret_cast<{vector}*>(out{position} + base) = out{position}_vec;"
+            )
         else:
             self.body.append(f"out{position}[base] = {store(output.dtype, value)};")
         tail_value = self._value(output, self.tail_values)
@@ -228,8 +254,13 @@ class _Writer:
 
     def _spec(self) -> KernelSpec:
         digest_source = "\n".join(
-            [self.index, str(self.vec)] + [f"{a.kind} {a.ctype} {a.name}" for a in self.params]
-            + self.setup + self.prologue + self.body + self.epilogue + self.helpers.sources
+            [self.index, str(self.vec)]
+            + [f"{a.kind} {a.ctype} {a.name}" for a in self.params]
+            + self.setup
+            + self.prologue
+            + self.body
+            + self.epilogue
+            + self.helpers.sources
         )
         digest = hashlib.sha256(digest_source.encode()).hexdigest()[:10]
         return KernelSpec(

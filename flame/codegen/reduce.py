@@ -16,8 +16,17 @@ from __future__ import annotations
 import hashlib
 
 from flame.codegen.common import (
-    Helpers, Read, buffer_params, collect_reads, const_literal, generated_expression, header, kernel_stem,
-    load, op_expression, store,
+    Helpers,
+    Read,
+    buffer_params,
+    collect_reads,
+    const_literal,
+    generated_expression,
+    header,
+    kernel_stem,
+    load,
+    op_expression,
+    store,
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, collapse, index_type_for
 from flame.codegen.spec import Arg, KernelSpec
@@ -204,7 +213,8 @@ class _ReduceWriter:
         names = []
         for axis in range(len(sizes) - 1, 0, -1):
             self._param("size", f"{prefix}_size{axis}", sizes[axis])
-            lines.append(f"const {self.index} {prefix}{axis} = {prefix}_rest % {prefix}_size{axis}; "
+            lines.append(f"const {self.index} {prefix}{axis} = "
+                         f"{prefix}_rest % {prefix}_size{axis}; "
                          f"{prefix}_rest /= {prefix}_size{axis};")  # fmt: skip
             names.append(f"{prefix}{axis}")
         lines.append(f"const {self.index} {prefix}0 = {prefix}_rest;")
@@ -275,7 +285,7 @@ class _ReduceWriter:
             at = f"{read.param}_outer + {offset}"
             if read.generated:
                 lane_lines.append(f"const {ctype} {name} = "
-                                  f"{generated_expression(read.base, at, self.helpers)};")  # fmt: skip
+                                  f"{generated_expression(read.base, at, self.helpers)};")  # fmt: skip  # noqa: E501
                 continue
             lane_lines.append(f"const {ctype} {name} = {load(read.base.dtype, self._raw(read))};")
             chunk_lines.extend(self._chunk_load(read, position))
@@ -290,7 +300,9 @@ class _ReduceWriter:
         storage = read.base.dtype.c_storage
         if self.vector_reads.get(id(read)):
             vector = f"FlameVec<{storage}, {self.lanes}>"
-            pointer = f"reinterpret_cast<const {vector}*>({read.param} + {read.param}_outer + chunk)"
+            pointer = (
+                f"reinterpret_cast<const {vector}*>({read.param} + {read.param}_outer + chunk)"
+            )
             return [f"const {vector} raw_{read.param} = *{pointer};"]
         strides = self.space.inner_strides[position]
         if len(self.space.inner_sizes) == 1:
@@ -436,8 +448,9 @@ class _ReduceWriter:
             "split_combines": tuple(
                 tuple(
                     (name, ctype, identity, _split_combine(name, combine_template))
-                    for (name, ctype, identity, _), combine_template
-                    in zip(p["accumulators"], p["combines"])
+                    for (name, ctype, identity, _), combine_template in zip(
+                        p["accumulators"], p["combines"]
+                    )
                 )
                 for p in self.passes
             ),
@@ -447,8 +460,13 @@ class _ReduceWriter:
             "cache_loads": tuple(self.cache_load_lines),
             "outer": tuple(self.outer_lines),
             "passes": tuple(
-                (tuple(p["init"]), tuple(p["chunk"]), tuple(p["lane"]), tuple(p["accumulators"]),
-                 tuple(p["finish"]))
+                (
+                    tuple(p["init"]),
+                    tuple(p["chunk"]),
+                    tuple(p["lane"]),
+                    tuple(p["accumulators"]),
+                    tuple(p["finish"]),
+                )
                 for p in self.passes
             ),  # fmt: skip
             "final_chunk": tuple(self.final["chunk"]),

@@ -10,6 +10,15 @@ from flame.ir.ops import OPS, get_op
 from flame.ir.printer import format_graph
 
 __all__ = [
-    "OPS", "Graph", "Group", "Node", "Site", "dtypes", "format_graph", "format_site", "get_op",
-    "is_input", "toposort",
+    "OPS",
+    "Graph",
+    "Group",
+    "Node",
+    "Site",
+    "dtypes",
+    "format_graph",
+    "format_site",
+    "get_op",
+    "is_input",
+    "toposort",
 ]

@@ -27,7 +27,9 @@ class View:
     def is_contiguous(self) -> bool:
         return self.offset == 0 and all(
             stride == expected or size == 1
-            for size, stride, expected in zip(self.shape, self.strides, contiguous_strides(self.shape))
+            for size, stride, expected in zip(
+                self.shape, self.strides, contiguous_strides(self.shape)
+            )
         )
 
 
@@ -49,7 +51,7 @@ def permute_view(view: View, dims) -> View:
 def slice_view(view: View, starts, stops, steps) -> View:
     offset = view.offset
     shape, strides = [], []
-    for size, stride, start, stop, step in zip(view.shape, view.strides, starts, stops, steps):
+    for stride, start, stop, step in zip(view.strides, starts, stops, steps):
         count = len(range(start, stop, step))
         if count:
             offset += start * stride
@@ -78,7 +80,7 @@ def reshape_view(view: View, shape) -> View | None:
             old_index += 1
         if product != size:
             return _split(old, old_index, new, new_strides, shape, view)
-        for (outer, outer_stride), (inner, inner_stride) in zip(group, group[1:]):
+        for (_, outer_stride), (inner, inner_stride) in zip(group, group[1:]):
             if outer_stride != inner * inner_stride:
                 return None
         new_strides.append(group[-1][1])

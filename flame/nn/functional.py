@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from flame import reductions as R
 from flame.creation import arange
-from flame.indexing import embedding, one_hot
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
+from flame.indexing import embedding, one_hot
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
 from flame.views import reshape
 
 __all__ = [
-    "cross_entropy", "dropout", "embedding", "gelu", "one_hot", "pad", "group_norm", "layer_norm", "leaky_relu", "log_softmax",
+    "cross_entropy", "dropout", "embedding", "gelu", "one_hot", "pad", "group_norm",
+    "layer_norm", "leaky_relu", "log_softmax",
     "mse_loss", "relu", "rms_norm", "sigmoid", "silu", "softmax", "softplus", "tanh",
 ]  # fmt: skip
 
@@ -34,8 +35,10 @@ def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
 
 
 def _trailing_axes(x: Tensor, normalized_shape, op: str) -> tuple[int, ...]:
-    normalized = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if tuple(x.shape[x.ndim - len(normalized):]) != normalized:
+    normalized = (
+        (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    )
+    if tuple(x.shape[x.ndim - len(normalized) :]) != normalized:
         raise ShapeError(
             f"{op}: normalized_shape {list(normalized)} does not match the trailing dims of "
             f"input {list(x.shape)}"
@@ -142,4 +145,3 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tens
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
     difference = input - target
     return _reduce_loss(difference * difference, reduction)
-

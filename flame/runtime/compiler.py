@@ -24,8 +24,12 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a generated kernel: the message names it and holds its log and source."""
 
     def __init__(self, name: str, log: str, source: str):
-        numbered = "\n".join(f"{number:4d}  {line}" for number, line in enumerate(source.splitlines(), 1))
-        super().__init__(f"NVRTC failed to compile kernel {name}:\n{log}\n--- source ---\n{numbered}")
+        numbered = "\n".join(
+            f"{number:4d}  {line}" for number, line in enumerate(source.splitlines(), 1)
+        )
+        super().__init__(
+            f"NVRTC failed to compile kernel {name}:\n{log}\n--- source ---\n{numbered}"
+        )
         self.kernel_name, self.log, self.source = name, log, source
 
 

@@ -41,7 +41,6 @@ class Launch:
     writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
     shapes: tuple  # per written slot: (shape, dtype)
 
-
     def execute(self, slots: list) -> None:
         import cupy
 

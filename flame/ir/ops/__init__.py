@@ -1,7 +1,13 @@
 """Every op FLAME knows, declared once. Importing this package fills the registry."""
 
 from flame.ir.ops import (  # noqa: F401  (declarations register themselves)
-    elementwise, indexing, joining, leaves, linalg, movement, reduce,
+    elementwise,
+    indexing,
+    joining,
+    leaves,
+    linalg,
+    movement,
+    reduce,
 )
 from flame.ir.ops.registry import HELPERS, OPS, OpDef, elementwise_ops, get_op
 

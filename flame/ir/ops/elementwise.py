@@ -104,6 +104,8 @@ _elementwise("floor", np.floor, {"f": "floorf({0})", "i": "{0}"}, categories="if
 _elementwise("ceil", np.ceil, {"f": "ceilf({0})", "i": "{0}"}, categories="if")
 # rintf rounds half to even, as torch.round and np.round do.
 _elementwise("round", np.round, {"f": "rintf({0})", "i": "{0}"}, categories="if")
+
+
 def _sign_ref(x):
     if x.dtype == np.bool_:
         return x
@@ -194,6 +196,8 @@ __device__ __forceinline__ T flame_ipow(T base, T exponent) {
     return result;
 }""",
 )
+
+
 def _pow_ref(base, exponent):
     if base.dtype.kind != "i":
         return np.power(base, exponent)
@@ -284,7 +288,9 @@ def_op(
     doc="identity whose backward recomputes a region (flame.checkpoint); vjp in autograd",
 )  # fmt: skip
 _unary_float(
-    "erf", lambda x: _erf(x.astype(np.float64)).astype(x.dtype), "erff({0})",
+    "erf",
+    lambda x: _erf(x.astype(np.float64)).astype(x.dtype),
+    "erff({0})",
 )
 
 
@@ -308,7 +314,10 @@ def _minmax_vjp(pick_first):
         first = pick_first(x, y)
         tie = x == y
         half = g * 0.5
-        return (F.where(tie, half, F.where(first, g, 0.0)), F.where(tie, half, F.where(first, 0.0, g)))
+        return (
+            F.where(tie, half, F.where(first, g, 0.0)),
+            F.where(tie, half, F.where(first, 0.0, g)),
+        )
 
     return rule
 
@@ -326,9 +335,7 @@ for _name, _rule in {
     "cos": lambda F, g, out, x: (-g * F.sin(x),),
     "tanh": lambda F, g, out, x: (g * (1.0 - out * out),),
     "sigmoid": lambda F, g, out, x: (g * out * (1.0 - out),),
-    "silu": lambda F, g, out, x: (
-        g * F.sigmoid(x) * (1.0 + x * (1.0 - F.sigmoid(x))),
-    ),
+    "silu": lambda F, g, out, x: (g * F.sigmoid(x) * (1.0 + x * (1.0 - F.sigmoid(x))),),
     "reciprocal": lambda F, g, out, x: (-g * out * out,),
     "erf": lambda F, g, out, x: (g * 1.1283791670955126 * F.exp(-x * x),),
     "gelu": _gelu_vjp,
@@ -354,7 +361,11 @@ for _name, _rule in {
     ),
     "maximum": _minmax_vjp(lambda x, y: x > y),
     "minimum": _minmax_vjp(lambda x, y: x < y),
-    "where": lambda F, g, out, condition, a, b: (None, F.where(condition, g, 0.0), F.where(condition, 0.0, g)),
+    "where": lambda F, g, out, condition, a, b: (
+        None,
+        F.where(condition, g, 0.0),
+        F.where(condition, 0.0, g),
+    ),
     # through a cast to an integer or bool nothing flows back (as in PyTorch)
     "cast": lambda F, g, out, x, dtype=None: (
         (g.to(x.dtype),) if x.dtype.is_float and out.dtype.is_float else (None,)

@@ -40,7 +40,10 @@ def philox4x32(index: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
             (product0 >> np.uint64(32)) ^ counter[3] ^ key[1],
             product0 & _MASK32,
         ]
-        key = [(key[0] + np.uint64(_PHILOX_W0)) & _MASK32, (key[1] + np.uint64(_PHILOX_W1)) & _MASK32]
+        key = [
+            (key[0] + np.uint64(_PHILOX_W0)) & _MASK32,
+            (key[1] + np.uint64(_PHILOX_W1)) & _MASK32,
+        ]
     return tuple(word.astype(np.uint32) for word in counter)
 
 

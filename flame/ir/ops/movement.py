@@ -90,7 +90,7 @@ def _permute_vjp(F, g, out, x, dims=()):
 
 def _slice_vjp(F, g, out, x, starts=(), stops=(), steps=()):
     """Scatter the cotangent back into zeros of x's shape, one axis at a time."""
-    for axis, (start, stop, step) in enumerate(zip(starts, stops, steps)):
+    for axis, (start, _stop, step) in enumerate(zip(starts, stops, steps)):
         g = F.unslice_axis(g, axis, x.shape[axis], start, step)
     return (g,)
 

@@ -43,18 +43,25 @@ def _reference(function, widen):
     return ref
 
 
-_MAX_IDENTITY = {"f": "__int_as_float(0xff800000)", "i": _INT64_MIN, "i32": _INT32_MIN, "b": "false"}
+_MAX_IDENTITY = {
+    "f": "__int_as_float(0xff800000)",
+    "i": _INT64_MIN,
+    "i32": _INT32_MIN,
+    "b": "false",
+}
 _MIN_IDENTITY = {"f": "__int_as_float(0x7f800000)", "i": _INT64_MAX, "i32": _INT32_MAX, "b": "true"}
 
 def_op(
     "reduce_sum", "reduce", 1, ref=_reference(np.sum, True), shape_rule=_reduce_rule(True),
     attrs={"axes": ()},
-    cuda={"combine": "({0} + {1})", "identity": {"f": "0.0f", "i": "0LL", "i32": "0LL", "b": "0LL"}},
+    cuda={"combine": "({0} + {1})",
+          "identity": {"f": "0.0f", "i": "0LL", "i32": "0LL", "b": "0LL"}},
 )  # fmt: skip
 def_op(
     "reduce_prod", "reduce", 1, ref=_reference(np.prod, True), shape_rule=_reduce_rule(True),
     attrs={"axes": ()},
-    cuda={"combine": "({0} * {1})", "identity": {"f": "1.0f", "i": "1LL", "i32": "1LL", "b": "1LL"}},
+    cuda={"combine": "({0} * {1})",
+          "identity": {"f": "1.0f", "i": "1LL", "i32": "1LL", "b": "1LL"}},
 )  # fmt: skip
 def_op(
     "reduce_max", "reduce", 1, ref=_reference(np.max, False), shape_rule=_reduce_rule(False),

@@ -29,8 +29,8 @@ import graphlib
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
-from flame.ir.shapes import prod
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.shapes import prod
 from flame.ir.views import MOVEMENT_OPS, View, expand_view, resolve, storage_view
 
 
@@ -78,7 +78,8 @@ def is_row_alias(node: Node, key) -> bool:
     base, view = resolved
     per_row = prod(kept_shape(key))
     in_row_order = view.offset == 0 and view.strides in (
-        View.contiguous(view.shape).strides, reshape_strides(view.shape)
+        View.contiguous(view.shape).strides,
+        reshape_strides(view.shape),
     )
     return (
         not is_input(base) and base.shape in scalar_shapes(key)
@@ -207,7 +208,8 @@ class _Grouping:
         """(row key, fits) when ``child`` reads a materialized reduction over ``root``'s
         shape: it may join that kernel only if it reads it as a per-row broadcast."""
         resolved = resolve(
-            child, lambda base: View.contiguous(base.shape),
+            child,
+            lambda base: View.contiguous(base.shape),
             lambda m: id(m) not in self.materialized,
         )
         if resolved is None:

@@ -2,7 +2,8 @@
 
 Afterwards: no elementwise node has only constant inputs; movement ops (expand, reshape,
 permute, slice) sit on leaves, reductions or library results, or on a computation too
-expensive to recompute under a broadcast; none is an identity or stacked on one of its kind; ``x*1``, ``x/1``, ``x-0``, integer ``x+0``, ``--x``,
+expensive to recompute under a broadcast; none is an identity or stacked on one of its kind;
+``x*1``, ``x/1``, ``x-0``, integer ``x+0``, ``--x``,
 ``x**1`` are gone; ``x**2`` is ``x*x``. Rules that would change a float result are not applied
 (``x + 0.0`` turns ``-0.0`` into ``0.0``; ``x * 0`` is not ``0`` for NaN or infinity).
 """
@@ -34,7 +35,8 @@ def _fold(node: Node) -> Node | None:
     if any(value is None for value in values):
         return None
     arrays = [
-        np.asarray(value, dtype=compute_dtype(child.dtype)) for value, child in zip(values, node.inputs)
+        np.asarray(value, dtype=compute_dtype(child.dtype))
+        for value, child in zip(values, node.inputs)
     ]
     result = evaluate_elementwise(node, arrays)  # a computed value: rounded to node.dtype
     const = make_const(result.item(), node.dtype, node.site, round_to_dtype=True)
@@ -92,7 +94,8 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
     if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
         return node
     inputs = tuple(
-        grand if (grand.op == "const" and grand.shape == ())
+        grand
+        if (grand.op == "const" and grand.shape == ())
         else _movement(op, attrs, grand, site, keep)
         for grand in child.inputs
     )
@@ -102,8 +105,10 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
 def _identity_movement(node: Node, keep) -> Node | None:
     if node.op == "permute" and node.attr("dims") == tuple(range(len(node.shape))):
         return node.inputs[0]
-    if node.op == "slice" and node.shape == node.inputs[0].shape and all(
-        step == 1 for step in node.attr("steps")
+    if (
+        node.op == "slice"
+        and node.shape == node.inputs[0].shape
+        and all(step == 1 for step in node.attr("steps"))
     ):
         return node.inputs[0]
     if node.op in MOVEMENT:

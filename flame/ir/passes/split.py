@@ -73,7 +73,11 @@ def _split_leading(node: Node, source: Node, axes) -> Node | None:
     if outputs >= COLUMN_OUTPUTS or lead < 4096:
         return None
     parts = 1
-    while outputs * parts < 4 * COLUMN_OUTPUTS and lead % (parts * 2) == 0 and lead // (parts * 2) >= 64:
+    while (
+        outputs * parts < 4 * COLUMN_OUTPUTS
+        and lead % (parts * 2) == 0
+        and lead // (parts * 2) >= 64
+    ):
         parts *= 2
     if parts == 1:
         return None
