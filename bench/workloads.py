@@ -316,6 +316,14 @@ WORKLOADS = (
         runner=flame_only.graph_build,
     ),
     Workload(
+        name="tiny20_compiled",
+        kind=FLAME_ONLY,
+        description="the 20 tiny ops through flame.compile: host µs per call (cell says µs/op)",
+        inputs=floats(((1024,), (1024,)), ((1024,), (1024,))),
+        expression=expressions.tiny20,
+        runner=flame_only.compiled_host,
+    ),
+    Workload(
         name="compile_time",
         kind=FLAME_ONLY,
         description="ew_chain's first call in a new process: empty, then warm disk cache",

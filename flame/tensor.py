@@ -96,6 +96,9 @@ class Tensor:
         return self
 
     def _storage(self):
+        from flame.compile import check_not_tracing
+
+        check_not_tracing("reading the value")
         self.realize()
         return self.node.buffer if self.node.buffer is not None else self.node.attr("storage")
 
