@@ -4,7 +4,6 @@ Tensor ops build a lazy IR graph; realizing a tensor fuses the graph into kernel
 them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs them.
 """
 
-from flame.compile import TraceError, compile  # noqa: A004 (flame.compile, as torch.compile)
 from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
 from flame._version import __version__
 from flame.autograd import (
@@ -18,6 +17,7 @@ from flame.autograd import (
     vjp,
 )  # fmt: skip
 from flame.backend import backend, get_backend, synchronize
+from flame.compile import TraceError, compile  # noqa: A004 (flame.compile, as torch.compile)
 from flame.creation import (
     arange,
     bernoulli,
@@ -107,7 +107,8 @@ __all__ = [
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",
     "all", "amax", "amin", "any", "argmax", "argmin", "bernoulli", "broadcast_to", "cat",
     "pad", "repeat", "stack", "tril", "triu", "GradError", "checkpoint", "enable_grad", "grad",
-    "is_grad_enabled", "no_grad", "value_and_grad", "vjp", "bmm", "compile", "TraceError", "get_matmul_precision", "matmul",
+    "is_grad_enabled", "no_grad", "value_and_grad", "vjp", "bmm", "compile", "TraceError",
+    "get_matmul_precision", "matmul",
     "matmul_precision", "set_matmul_precision", "embedding", "gather", "index_select",
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",

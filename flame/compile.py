@@ -69,6 +69,11 @@ def _describe(value):
     )
 
 
+def _shown(description) -> tuple:
+    """A signature entry without its memory layout (which is rarely what changed)."""
+    return description[:-1] if description[0] == "tensor" else description
+
+
 def _storage(tensor: Tensor):
     node = tensor.node
     return node.buffer if node.buffer is not None else node.attr("storage")
@@ -103,7 +108,7 @@ class CompiledFunction:
         previous = next(reversed(self._programs))
         for position, (old, new) in enumerate(zip(previous, signature)):
             if old != new:
-                return f"argument {position}: {old[:-1] if old[0] == 'tensor' else old} -> {new[:-1] if new[0] == 'tensor' else new}"
+                return f"argument {position}: {_shown(old)} -> {_shown(new)}"
         return "different number of arguments"
 
     def _trace(self, args, signature) -> _Program:
@@ -153,7 +158,8 @@ class CompiledFunction:
         _, inputs, key = linearize(computed)
         plan = executor._plans.get(key) or executor._plan(computed, inputs)
         sources = tuple(
-            ("arg", position_of[id(node)]) if id(node) in position_of else ("const", _array_of(node))
+            ("arg", position_of[id(node)]) if id(node) in position_of
+            else ("const", _array_of(node))
             for node in inputs
         )  # fmt: skip
         return _Program(tuple(computed), sources, plan, tuple(placeholders), structure, passthrough)
