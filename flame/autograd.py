@@ -14,6 +14,7 @@ the accumulated (lazy) gradient.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -28,6 +29,21 @@ from flame.tensor import grad_enabled as _grad_enabled
 
 class GradError(RuntimeError):
     """A gradient was asked for in a way that has no answer; the message says why."""
+
+
+def _at_user_line(function):
+    """Errors raised while building a backward name the user's line that asked for it."""
+
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (GradError, ShapeError) as error:
+            if "[at " in str(error):
+                raise
+            raise type(error)(f"{error} [at {format_site(user_site())}]") from None
+
+    return wrapped
 
 
 @dataclass
@@ -251,6 +267,7 @@ def _requires_grad(self: Tensor) -> bool:
     return False
 
 
+@_at_user_line
 def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = False) -> None:
     """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
     With ``create_graph`` the gradients stay differentiable (grad of grad)."""
@@ -306,6 +323,7 @@ def vjp(fn, *primals):
     single = isinstance(outputs, Tensor)
     outs = [outputs] if single else list(outputs)
 
+    @_at_user_line
     def vjp_fn(*seeds):
         total = cotangents(outs, list(seeds), [p.node for p in primals], outs[0].backend)
         return tuple(_or_zeros(total.get(id(p.node)), p, True) for p in primals)
@@ -314,6 +332,7 @@ def vjp(fn, *primals):
 
 
 def value_and_grad(fn, argnums=0, allow_unused: bool = False):
+    @_at_user_line
     def wrapped(*args):
         positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         value = fn(*args)

@@ -467,3 +467,13 @@ def test_gpu_hooks_and_checkpoint(rng):
             results[backend] = (loss.numpy(), x.grad.numpy())
     np.testing.assert_allclose(results["cuda"][0], results["reference"][0], rtol=1e-5)
     np.testing.assert_allclose(results["cuda"][1], results["reference"][1], rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_errors_name_the_users_line(reference_backend):
+    x, y = fl.tensor(np.float32([1.0, 2.0])), fl.tensor(np.float32([3.0, 4.0]))
+    with pytest.raises(fl.GradError, match=r"does not influence.*\[at test_autograd\.py:\d+\]"):
+        fl.grad(lambda a, b: fl.sum(a * 2.0), argnums=1)(x, y)
+    leaf = fl.tensor(np.float32([1.0, 2.0])).requires_grad_()
+    leaf.register_hook(lambda g: fl.sum(g))
+    with pytest.raises(fl.GradError, match=r"hook.*\[at test_autograd\.py:\d+\]"):
+        fl.sum(leaf * 2.0).backward()
