@@ -28,46 +28,22 @@ from flame.codegen.common import (
     op_expression,
     store,
 )  # fmt: skip
-from flame.codegen.elementwise import Lowered, collapse, index_type_for
+from flame.codegen.elementwise import Lowered, index_type_for
+from flame.codegen.reduce_space import (
+    MAX_CACHE_ITEMS,
+    THREAD_BLOCK,
+    THREAD_LANES,
+    THREAD_SPLITS,
+    VECTOR_LANES,
+    Space,
+    block_size,
+)  # fmt: skip
 from flame.codegen.spec import Arg, KernelSpec
 from flame.ir import dtypes
 from flame.ir.graph import Group
 from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
-
-THREAD_SPLITS = 8  # column reductions: 8 warps share each group of 32 columns
-THREAD_BLOCK = 32 * THREAD_SPLITS
-THREAD_LANES = 8  # a thread issues 8 loads before it adds any: latency hidden
-VECTOR_LANES = 4  # block mode: 16-byte loads of float32 rows
-MAX_CACHE_ITEMS = 8  # a row of up to block * lanes * 8 values stays in registers (16 at 512)
-
-
-def _block_size(inner: int, lanes: int) -> int:
-    """The smallest block that keeps a row in at most 2 chunks per thread; long rows take
-    512 threads (up to 16 chunks each, still cached) and only the longest 1024."""
-    # measured on the H100 (layer norm over 4096): 512 threads x 2 chunks 0.1800 ms,
-    # 256 x 4 0.1813, 128 x 8 0.1847, 1024 x 1 0.2185 (notes/performance.md)
-    for size in (128, 256, 512):
-        if inner <= size * lanes * 2:
-            return size
-    return 512 if inner <= 512 * lanes * 2 * MAX_CACHE_ITEMS else 1024
-
-
-class _Space:
-    """The input space split into outer (kept) and inner (reduced) axes, each collapsed."""
-
-    def __init__(self, shape, axes, stride_sets):
-        kept = [axis for axis in range(len(shape)) if axis not in axes]
-        self.outer_sizes, outer = collapse(
-            [shape[a] for a in kept], [[s[a] for a in kept] for s in stride_sets]
-        )
-        self.inner_sizes, inner = collapse(
-            [shape[a] for a in axes], [[s[a] for a in axes] for s in stride_sets]
-        )
-        self.outer_strides, self.inner_strides = outer, inner
-        self.num_outer, self.num_inner = prod(self.outer_sizes), prod(self.inner_sizes)
-        self.block_mode = bool(axes) and axes[-1] == len(shape) - 1
 
 
 def lower_reduce(group: Group, layout_of) -> Lowered:
@@ -77,7 +53,7 @@ def lower_reduce(group: Group, layout_of) -> Lowered:
     reads, aliases = collect_reads(group, layout_of)
     out_views = [_output_strides(node, shape, kept) for node in group.outputs]
     stride_sets = [_space_view(read.view, shape, kept).strides for read in reads] + out_views
-    space = _Space(shape, axes, stride_sets)
+    space = Space(shape, axes, stride_sets)
     writer = _ReduceWriter(group, space, reads, aliases, shape, kept)
     writer.index = index_type_for(prod(shape), reads)
     return writer.build(out_views)
@@ -157,7 +133,7 @@ class _ReduceWriter:
         single = len(space.inner_sizes) == 1
         if single and space.num_inner % VECTOR_LANES == 0 and self._vectorizable():
             self.lanes = VECTOR_LANES
-        self.block = _block_size(space.num_inner, self.lanes)
+        self.block = block_size(space.num_inner, self.lanes)
         items = -(-space.num_inner // (self.block * self.lanes))
         # rows of data are cached; values the same for every row (weights, biases) are
         # re-read from L1 where needed instead of holding registers
