@@ -41,9 +41,11 @@ def backend(name: str):
 def realize_nodes(backend_name: str, nodes) -> None:
     """Compute and memoize ``nodes`` on ``backend_name``."""
     if backend_name == "reference":
-        from flame.runtime import reference
+        from flame.runtime import events, reference
         from flame.runtime.storage import Storage
 
+        if events.active():
+            events.emit("reference", outputs=list(nodes))
         reference.realize(nodes, lambda dtype, array: Storage("reference", dtype, array=array))
         return
     from flame.runtime.device import device_info

@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextvars
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 
 from flame.ir.node import Node, format_site, user_site
+from flame.runtime import events
 from flame.runtime.storage import Storage
 from flame.tensor import Tensor, realize
 
@@ -113,6 +115,7 @@ class CompiledFunction:
 
     def _trace(self, args, signature) -> _Program:
         reason = self._miss_reason(signature)
+        start = time.perf_counter()
         placeholders = [
             Node("buffer", (), (("storage", _storage(a)),), a.dtype, a.shape, a.node.site)
             if isinstance(a, Tensor) else None
@@ -140,6 +143,13 @@ class CompiledFunction:
             self._info.traces += 1
             self._info.misses += 1
             self._info.reasons.append(reason)
+        if events.active():
+            events.emit(
+                "trace",
+                function=self.__qualname__,
+                reason=reason,
+                seconds=time.perf_counter() - start,
+            )
         return program
 
     def _prepare(self, outputs, placeholders, structure) -> _Program:
@@ -156,7 +166,7 @@ class CompiledFunction:
 
         executor = default_executor()
         _, inputs, key = linearize(computed)
-        plan = executor._plans.get(key) or executor._plan(computed, inputs)
+        plan = executor.plan_for(computed, inputs, key)
         sources = tuple(
             ("arg", position_of[id(node)]) if id(node) in position_of
             else ("const", _array_of(node))

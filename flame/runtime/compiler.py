@@ -7,6 +7,7 @@ by any process whose compile would produce the same bytes.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flame._version import __version__
 from flame.codegen.render import code_key
+from flame.runtime import events
 from flame.runtime.cache import DiskCache
 from flame.runtime.device import target_arch
 
@@ -88,7 +90,17 @@ class KernelCache:
             cached = self._cubins.get(key)
             if cached is not None:
                 self.stats.memory_hits += 1
-                return key, cached
+        if cached is not None:
+            if events.active():
+                events.emit(
+                    "kernel",
+                    name=name,
+                    origin="memory",
+                    seconds=0.0,
+                    key=key,
+                    source=lambda: self._text(source),
+                )
+            return key, cached
         start = time.perf_counter()
         data = self.disk.get(key)
         origin = "disk"
@@ -105,6 +117,15 @@ class KernelCache:
                 self.stats.compiles += 1
                 self.stats.compile_seconds += elapsed
             self.stats.events.append((name, origin, elapsed))
+        if events.active():
+            events.emit(
+                "kernel",
+                name=name,
+                origin=origin,
+                seconds=elapsed,
+                key=key,
+                source=lambda: self._text(source),
+            )
         return key, data
 
     @staticmethod
@@ -116,8 +137,9 @@ class KernelCache:
         items = list(sources_and_names)
         if len(items) <= 1:
             return [self.cubin(*item) for item in items]
+        context = contextvars.copy_context()  # the workers report to this context's recorders
         with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-            return list(pool.map(lambda item: self.cubin(*item), items))
+            return list(pool.map(lambda item: context.copy().run(self.cubin, *item), items))
 
 
 _default_cache: KernelCache | None = None

@@ -22,6 +22,7 @@ from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
+from flame.runtime import events
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import device_info
 from flame.runtime.storage import Storage
@@ -153,6 +154,13 @@ class Executor:
         if not pending:
             return
         _, inputs, key = linearize(pending)
+        plan = self.plan_for(pending, inputs, key)
+        slots = self.run(plan, [_array_of(node) for node in inputs])
+        for node, slot in zip(pending, plan.output_slots):
+            node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+
+    def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
+        """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(pending, inputs)
@@ -163,19 +171,42 @@ class Executor:
                 self.plan_misses += 1
         else:
             self.plan_hits += 1
-        slots = self.run(plan, [_array_of(node) for node in inputs])
-        for node, slot in zip(pending, plan.output_slots):
-            node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+            if events.active():
+                events.emit("plan", plan=plan, passes=[], seconds=0.0, cached=True)
+        return plan
 
     def run(self, plan: Plan, input_arrays: list) -> list:
         slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
+        if events.active():
+            return self._run_observed(plan, slots)
         for step in plan.launches:
             step.execute(slots)
         return slots
 
+    def _run_observed(self, plan: Plan, slots: list) -> list:
+        times = [None] * len(plan.launches)
+        if not events.profiling():
+            for step in plan.launches:
+                step.execute(slots)
+        else:
+            import cupy
+
+            for index, step in enumerate(plan.launches):
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                step.execute(slots)
+                stop.record()
+                stop.synchronize()
+                times[index] = cupy.cuda.get_elapsed_time(start, stop)
+        events.emit("run", plan=plan, times=times, slots=slots)
+        return slots
+
     def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
         start = time.perf_counter()
-        graph = run_pipeline(Graph(tuple(pending)))
+        observed = bool(events.active())
+        graph = run_pipeline(Graph(tuple(pending)), record=observed)
+        if observed:
+            graph, passes = graph
         slot_of = {id(node): index for index, node in enumerate(inputs)}
         slot_count = len(inputs)
         lowered_groups = []
@@ -197,7 +228,10 @@ class Executor:
             for group in graph.groups
         )  # fmt: skip
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
-        return Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
+        plan = Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
+        if observed:
+            events.emit("plan", plan=plan, passes=passes, seconds=plan.plan_seconds, cached=False)
+        return plan
 
     def _load(self, sources) -> list:
         import cupy
