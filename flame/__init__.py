@@ -4,7 +4,10 @@ Tensor ops build a lazy IR graph; realizing a tensor fuses the graph into kernel
 them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs them.
 """
 
-from flame import nn  # noqa: E402  (after the tensor methods it uses exist)
+from flame import (
+    nn,  # noqa: E402  (after the tensor methods it uses exist)
+    optim,  # noqa: E402  (written with the public ops above)
+)
 from flame._version import __version__
 from flame.autograd import (
     GradError,
@@ -35,6 +38,7 @@ from flame.creation import (
     zeros,
     zeros_like,
 )  # fmt: skip
+from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
 from flame.indexing import (
@@ -112,6 +116,7 @@ __all__ = [
     "matmul_precision", "set_matmul_precision", "embedding", "gather", "index_select",
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
-    "squeeze", "std", "sum", "transpose", "unsqueeze", "var",
+    "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
+    "optim",
     *_functional_names,
 ]  # fmt: skip

@@ -131,6 +131,44 @@ class Tensor:
             raise TypeError(f"only integer tensors can be used as an index, not {self.dtype.name}")
         return int(self.item())
 
+    def copy_(self, source) -> Tensor:
+        """Write ``source`` (broadcast, cast to this dtype) into this tensor's memory in place,
+        as PyTorch's ``copy_``: the memory keeps its address, so everything that reads it
+        (a compiled function closing over a weight, an optimizer's state) sees the new
+        values without retracing."""
+        from flame.creation import tensor as make_tensor
+
+        if not isinstance(source, Tensor):
+            source = make_tensor(np.asarray(source), dtype=self.dtype)
+        if source.backend != self.backend:
+            raise ValueError(
+                f"copy_: source is on the {source.backend} backend, this tensor on {self.backend}"
+            )
+        try:
+            broadcast_shapes(source.shape, self.shape)
+        except ShapeError:
+            raise ShapeError(
+                f"copy_: cannot broadcast a source of shape {list(source.shape)} to this "
+                f"tensor's shape {list(self.shape)} [at {format_site(user_site())}]"
+            ) from None
+        if broadcast_shapes(source.shape, self.shape) != self.shape:
+            raise ShapeError(
+                f"copy_: a source of shape {list(source.shape)} does not fit this tensor's "
+                f"shape {list(self.shape)} [at {format_site(user_site())}]"
+            )
+        storage = self._storage()
+        values = source.to(self.dtype)
+        if values.shape != self.shape:
+            values = values.broadcast_to(self.shape)
+        values = values._storage()
+        if storage.backend == "reference":
+            from flame.foreach import writable_array
+
+            writable_array(storage)[...] = np.asarray(values.numpy()).reshape(self.shape)
+        else:
+            storage.device_array()[...] = values.device_array().reshape(self.shape)
+        return self
+
     # --- interop (realizes) ---------------------------------------------------------------
     def __dlpack__(self, stream=None, **kwargs):
         storage = self._storage()

@@ -1,0 +1,38 @@
+"""What the optimizers share: their state buffers and the per-step scalar buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flame.tensor import Tensor
+
+
+def zeros_state(param: Tensor) -> Tensor:
+    """A realized buffer of zeros shaped and typed like ``param``, on its backend."""
+    from flame.backend import backend
+    from flame.creation import zeros
+
+    with backend(param.backend):
+        return zeros(param.shape, dtype=param.dtype).realize()
+
+
+def scalars(values, like: Tensor) -> Tensor:
+    """The per-step values (computed on the host in float64) as a float32 tensor the update
+    kernel reads: data, so a new learning rate is never new code."""
+    from flame.backend import backend
+    from flame.creation import tensor
+
+    with backend(like.backend):
+        return tensor(np.asarray(values, dtype=np.float32))
+
+
+def grad_of(param: Tensor) -> Tensor:
+    grad = param.grad
+    if grad.shape != param.shape:
+        raise ValueError(
+            f"optimizer: a gradient of shape {list(grad.shape)} for a parameter of shape "
+            f"{list(param.shape)}"
+        )
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    return grad

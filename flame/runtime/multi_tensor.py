@@ -1,0 +1,91 @@
+"""Launching a multi-tensor kernel: the pointer table, the chunk table, the kernel variants.
+
+A ``MultiTensorKernel`` holds one rule's fused group and compiles, on demand, its variants
+(vector loads when every address is aligned; 64-bit indices when a tensor needs them). The
+chunk table depends only on the tensors' lengths, so it is built once per set of lengths; the
+pointer table is rebuilt on every call (gradients are new buffers each step) and copied to
+the GPU in one transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+
+from flame.codegen.multi_tensor import CHUNK, lower_multi_tensor
+from flame.codegen.render import render, spec_key
+from flame.ir.graph import Group
+
+
+class MultiTensorKernel:
+    def __init__(self, group: Group, placeholders: list, executor):
+        self.group = group
+        self.placeholders = placeholders  # per list, the node that stands for its tensor
+        self.varying = {id(node) for node in placeholders}
+        self.position = {id(node): index for index, node in enumerate(placeholders)}
+        self.executor = executor
+        self._variants: dict[tuple, tuple] = {}
+        self._chunks: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def variant(self, aligned: bool, wide: bool):
+        key = (aligned, wide)
+        found = self._variants.get(key)
+        if found is None:
+            low = lower_multi_tensor(self.group, self.varying, aligned, wide)
+            source = functools.partial(render, low.spec)
+            (function,) = self.executor._load([(source, low.spec.name, spec_key(low.spec))])
+            found = (low, function)
+            with self._lock:
+                self._variants[key] = found
+        return found
+
+    def chunks(self, lengths: tuple[int, ...]):
+        table = self._chunks.get(lengths)
+        if table is None:
+            import cupy
+
+            rows = [
+                (tensor, start)
+                for tensor, length in enumerate(lengths)
+                for start in range(0, length, CHUNK)
+            ]  # fmt: skip
+            table = cupy.asarray(np.asarray(rows, dtype=np.int64).reshape(-1, 2))
+            with self._lock:
+                self._chunks[lengths] = table
+        return table
+
+    def launch(self, arrays: list[list], outputs_into: list[int], shared: dict) -> None:
+        """``arrays[list][tensor]``: CuPy arrays (contiguous; written in place for the lists
+        named in ``outputs_into``, one per group output); ``shared``: id(node) -> array for
+        the operands every tensor reads."""
+        import cupy
+
+        count = len(arrays[0])
+        if count == 0:
+            return
+        lengths = tuple(int(array.size) for array in arrays[0])
+        addresses = [[array.data.ptr for array in column] for column in arrays]
+        aligned = all(address % 16 == 0 for column in addresses for address in column)
+        wide = max(lengths) + CHUNK >= 2**31 - 1
+        low, function = self.variant(aligned, wide)
+        table = np.empty((count, len(low.per_tensor) + 1), dtype=np.int64)
+        for column, (kind, operand) in enumerate(low.per_tensor):
+            if kind == "out":
+                source = outputs_into[operand]
+            else:
+                source = self.position[id(low.lowered.reads[operand])]
+            table[:, column] = addresses[source]
+        table[:, -1] = lengths
+        device_table = cupy.asarray(table)
+        chunks = self.chunks(lengths)
+        arguments = [device_table, chunks]
+        for arg in low.spec.params:
+            if arg.kind == "in":
+                arguments.append(shared[id(low.shared[arg.operand])])
+            else:
+                scalar = np.int64 if wide else np.int32
+                arguments.append(scalar(arg.value))
+        function((int(chunks.shape[0]),), (low.spec.block,), arguments)
