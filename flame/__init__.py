@@ -85,6 +85,8 @@ from flame.reductions import (
     prod_ as prod,
 )
 from flame.tensor import Tensor, clamp, realize
+from flame.tools.debug import activate_from_environment as _activate_dump
+from flame.tools.debug import dump
 from flame.views import (
     broadcast_to,
     expand,
@@ -104,6 +106,8 @@ long = int64
 int = int32  # noqa: A001
 bool = bool_  # noqa: A001
 
+_activate_dump()  # FLAME_DUMP=DIR: record this program, write the dump at exit
+
 __all__ = [
     "DType", "ShapeError", "Tensor", "__version__", "arange", "backend", "bfloat16", "bool_",
     "clamp", "float16", "float32", "from_dlpack", "from_numpy", "full", "full_like",
@@ -117,6 +121,6 @@ __all__ = [
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
-    "optim",
+    "optim", "dump",
     *_functional_names,
 ]  # fmt: skip

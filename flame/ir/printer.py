@@ -20,19 +20,14 @@ def format_value(value) -> str:
     return repr(value)
 
 
-def format_graph(graph: Graph, comment_width: int = 44) -> str:
+def node_names(graph: Graph) -> dict[int, str]:
+    """``id(node) -> name`` as the printer spells it: inputs ``%0..``, then computed values
+    in order; scalar constants are their value."""
     names: dict[int, str] = {}
-    params = []
-    for node in graph.nodes:
-        if is_input(node):
-            names[id(node)] = f"%{len(params)}"
-            params.append(f"{names[id(node)]}: {format_type(node)}")
-    group_of = {}
-    for index, group in enumerate(graph.groups or ()):
-        for node in group.nodes:
-            group_of[id(node)] = index
-    lines = [f"graph {graph.name}({', '.join(params)}) {{"]
-    count = len(params)
+    inputs = [node for node in graph.nodes if is_input(node)]
+    for index, node in enumerate(inputs):
+        names[id(node)] = f"%{index}"
+    count = len(inputs)
     for node in graph.nodes:
         if is_input(node):
             continue
@@ -41,6 +36,20 @@ def format_graph(graph: Graph, comment_width: int = 44) -> str:
             continue
         names[id(node)] = f"%{count}"
         count += 1
+    return names
+
+
+def format_graph(graph: Graph, comment_width: int = 44) -> str:
+    names = node_names(graph)
+    params = [f"{names[id(node)]}: {format_type(node)}" for node in graph.nodes if is_input(node)]
+    group_of = {}
+    for index, group in enumerate(graph.groups or ()):
+        for node in group.nodes:
+            group_of[id(node)] = index
+    lines = [f"graph {graph.name}({', '.join(params)}) {{"]
+    for node in graph.nodes:
+        if is_input(node) or (node.op == "const" and node.shape == ()):
+            continue
         arguments = [names[id(child)] for child in node.inputs]
         arguments += [f"{key}={format_value(value)}" for key, value in node.attrs]
         text = f"  {names[id(node)]}: {format_type(node)} = {node.op}({', '.join(arguments)})"

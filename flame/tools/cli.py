@@ -1,4 +1,5 @@
-"""The `flame` command: `flame --version`, `flame info`, `flame cache list|size|clear`.
+"""The `flame` command: `flame --version`, `flame info`, `flame cache list|size|clear`,
+`flame dump`, `flame check`.
 
 Everything here works on a machine without a GPU, and `--version` without CuPy: heavy or
 optional modules are imported inside the command that needs them, never at the top.
@@ -232,7 +233,86 @@ def _human_size(size: int) -> str:
     return f"{value:.1f} TiB"
 
 
-_SUBCOMMANDS = [_add_info, _add_cache]
+# -- flame dump / flame check ------------------------------------------------------------------
+
+
+def _add_dump(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "dump",
+        help="run a script and dump every graph: IR per pass, fusion, kernels, cache",
+        description="Run SCRIPT with ARGS and write what FLAME did with every graph to DIR: "
+        "the IR after each pass, the fusion groups and why each boundary exists, every "
+        "kernel's CUDA source, NVRTC resource usage, launch shape, bytes moved against the "
+        "floor, cache hits and misses with reasons, and an HTML picture. Options of flame "
+        "dump may come before or after SCRIPT; put the script's own options after `--` when "
+        "they share a name. Without a GPU the script runs on the reference backend.",
+    )
+    parser.add_argument("--out", metavar="DIR", help=f"dump folder (default: {_DUMP_FOLDER})")
+    parser.add_argument("--profile", action="store_true", help="time every kernel on the GPU")
+    parser.add_argument(
+        "--bandwidth",
+        metavar="GBPS",
+        help="copy bandwidth for the floor, GB/s (default: $FLAME_BANDWIDTH or 2970, the H100's)",
+    )
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    parser.set_defaults(run=_run_dump)
+
+
+_DUMP_FOLDER = "flame_dump"
+
+
+def _tool_options(arguments: argparse.Namespace, flags: dict[str, bool]) -> dict:
+    """Pull the tool's own options out of the script's arguments (up to a `--`)."""
+    found: dict = {name: getattr(arguments, name.lstrip("-")) for name in flags}
+    rest = list(arguments.args)
+    script_args = []
+    while rest:
+        item = rest.pop(0)
+        if item == "--":
+            script_args += rest
+            break
+        name, _, value = item.partition("=")
+        if name in flags and flags[name]:
+            found[name] = True
+        elif name in flags:
+            if not value:
+                if not rest:
+                    raise SystemExit(f"flame: {name} needs a value")
+                value = rest.pop(0)
+            found[name] = value
+        else:
+            script_args.append(item)
+    found["args"] = script_args
+    return found
+
+
+def _run_dump(arguments: argparse.Namespace) -> int:
+    from flame.tools.dump import bandwidth_from_environment, dump_script, uninstall_environment
+    from flame.tools.dumpfiles import DumpError, summary_text
+    from flame.tools.script import ScriptNotFound, check_script
+
+    options = _tool_options(arguments, {"--out": False, "--profile": True, "--bandwidth": False})
+    uninstall_environment()  # FLAME_DUMP set as well: this command's own recorder wins
+    out = Path(options["--out"] or _DUMP_FOLDER)
+    try:
+        script = check_script(arguments.script)
+        bandwidth = bandwidth_from_environment()
+        if options["--bandwidth"] is not None:
+            bandwidth = float(options["--bandwidth"]) * 1e9
+        profile = options["--profile"]
+        status, recorder = dump_script(script, options["args"], out, profile, bandwidth)
+    except (ScriptNotFound, DumpError) as error:
+        print(f"flame dump: {error}", file=sys.stderr)
+        return 2
+    except ValueError:
+        print("flame dump: --bandwidth must be a number of GB/s", file=sys.stderr)
+        return 2
+    print(summary_text(recorder, status, out, detail=False), end="")
+    return 0 if status["complete"] else status.get("exit_code", 1) or 1
+
+
+_SUBCOMMANDS = [_add_info, _add_cache, _add_dump]
 
 
 if __name__ == "__main__":
