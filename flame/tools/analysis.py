@@ -256,15 +256,18 @@ def spec_difference(spec, earlier: list[tuple[str, object, int]]) -> str:
     for name, other, graph_index in reversed(earlier):
         if name.rsplit("_", 1)[0] != stem or name == spec.name:
             continue
-        differences = [
-            f"{field} {_short(getattr(other, field))} -> {_short(getattr(spec, field))}"
-            for field in _CODE_FIELDS
-            if getattr(other, field) != getattr(spec, field)
-        ]
-        theirs = [(arg.kind, arg.ctype) for arg in other.params]
-        ours = [(arg.kind, arg.ctype) for arg in spec.params]
+        changed = [f for f in _CODE_FIELDS if getattr(other, f) != getattr(spec, f)]
+        scalars = [f for f in changed if not isinstance(getattr(spec, f), tuple)]
+        lines = [f for f in changed if f not in scalars][:1]  # the first code change is enough
+        differences = [_describe_change(f, getattr(other, f), getattr(spec, f)) for f in scalars]
+        theirs = [f"{arg.ctype} {arg.name}" for arg in other.params]
+        ours = [f"{arg.ctype} {arg.name}" for arg in spec.params]
         if theirs != ours:
-            differences.append("parameters (types, or which strides are arguments)")
+            added = [p for p in ours if p not in theirs] + [
+                f"no {p}" for p in theirs if p not in ours
+            ]
+            differences.append("parameters " + ", ".join(_clip(p, 40) for p in added[:3]))
+        differences += [_describe_change(f, getattr(other, f), getattr(spec, f)) for f in lines]
         extras = sorted(k for k in set(spec.extras) | set(other.extras) if
                         spec.extras.get(k) != other.extras.get(k))  # fmt: skip
         differences += [f"{key} changed" for key in extras]
@@ -277,9 +280,21 @@ def spec_difference(spec, earlier: list[tuple[str, object, int]]) -> str:
 
 
 def _short(value) -> str:
-    if isinstance(value, tuple):
-        return f"({len(value)} lines)"
     return format_value(value) if not isinstance(value, str) else value
+
+
+def _clip(line: str, width: int = 60) -> str:
+    line = line.strip()
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _describe_change(field: str, old, new) -> str:
+    if not isinstance(old, tuple):
+        return f"{field} {_short(old)} -> {_short(new)}"
+    for position, (before, after) in enumerate(zip(old, new)):
+        if before != after:
+            return f"{field} line {position + 1}: {_clip(before)!r} -> {_clip(after)!r}"
+    return f"{field}: {len(old)} -> {len(new)} lines"
 
 
 # -- the picture's data -----------------------------------------------------------------------

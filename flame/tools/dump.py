@@ -129,7 +129,24 @@ def install_from_environment() -> None:
     context = events.recording(recorder)
     context.__enter__()
     _environment_recorder.append((recorder, out, context))
+    _reference_without_gpu(recorder)
     atexit.register(_write_environment_dump)
+
+
+def _reference_without_gpu(recorder: DumpRecorder) -> None:
+    """No GPU and no backend chosen: run on the reference backend, as `flame dump` does."""
+    from flame.backend import backend
+    from flame.runtime.device import gpu_available, gpu_unavailable_reason
+
+    if os.environ.get("FLAME_BACKEND") or gpu_available():
+        return
+    choice = backend("reference")
+    choice.__enter__()  # for the rest of this context (the main thread), like FLAME_BACKEND
+    _environment_recorder.append((recorder, None, choice))
+    recorder.notes.append(
+        f"no GPU ({gpu_unavailable_reason()}): the program ran on the reference backend; "
+        "kernels were rendered and compiled with NVRTC but not run"
+    )
 
 
 def uninstall_environment() -> None:

@@ -93,7 +93,11 @@ def fusion_text(record: GraphRecord) -> str:
 def golden_text(record: GraphRecord) -> str:
     """Everything deterministic about a graph: passes, fusion and kernel sources (no times,
     no NVRTC numbers, no paths), for golden files that show what a change did to kernels."""
-    parts = [text for _, text in passes_text(record, timings=False)]
+    parts, previous = [], None
+    for name, _, text in record.passes:  # an unchanged graph is said, not repeated
+        parts.append(f"// after {name}: unchanged\n" if text == previous else
+                     f"// after {name}\n{text}\n")  # fmt: skip
+        previous = text
     parts.append(fusion_text(record))
     for kernel in record.kernels:
         if kernel.source is not None:
@@ -245,6 +249,11 @@ def summary_text(recorder: DumpRecorder, status: dict, out: Path | None, detail:
             f"{trace['seconds'] * 1e3:.1f} ms)"
         )
     lines += [f"note: {note}" for note in recorder.notes]
+    others = recorder.other_kernels()
+    if others:
+        listed = ", ".join(f"{name} [{origin}]" for name, origin in others[:8])
+        more = f" and {len(others) - 8} more" if len(others) > 8 else ""
+        lines.append(f"kernels outside planned graphs (foreach, indexing): {listed}{more}")
     lines += profile_lines(recorder, limit=None if detail else 10)
     if detail:
         for record in recorder.graphs:

@@ -150,6 +150,17 @@ class DumpRecorder:
             record.runs += 1
             self._reference_keys[key] = record
 
+    def other_kernels(self) -> list[tuple[str, str]]:
+        """(name, cache origin) of kernels compiled or loaded outside any recorded graph:
+        multi-tensor (foreach) and indexing kernels the executor does not plan."""
+        with self._lock:
+            planned = {kernel.name for record in self.graphs for kernel in record.kernels}
+            return sorted(
+                (name, event["origin"])
+                for name, event in self._kernel_events.items()
+                if name not in planned
+            )
+
     # -- building records ---------------------------------------------------------------------
 
     def _record_plan(self, plan, passes, seconds) -> GraphRecord:
