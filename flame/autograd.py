@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from flame.compile import note_grad_assignment
 from flame.ir.node import Node, Token, format_site, toposort, user_site
 from flame.ir.ops import get_op
 from flame.ir.ops.registry import def_vjp
@@ -294,6 +295,7 @@ def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = Fals
             continue
         if not create_graph:
             g = detach(g)
+        note_grad_assignment(owner)  # flame.compile: the new .grad is an output of the program
         owner.grad = g if owner.grad is None else owner.grad + g
 
 

@@ -1,30 +1,45 @@
 """``flame.compile(fn)``: trace once per signature, then replay the prepared plan.
 
 Lazy mode pays graph building, the plan key and the plan lookup on every call. A compiled
-function pays them once per *signature* (the dtypes, shapes and layouts of its tensor
-arguments, and the values of its other arguments); later calls bind the new arguments' memory
-to the traced plan and launch its kernels directly.
+function pays them once and then binds the new arguments' memory to the traced plan and
+launches its kernels directly.
 
-What is here: tracing, the signature cache with hit/miss counts and miss reasons, replay on
-the CUDA backend, and the same semantics on the reference backend (the traced graph is
-re-evaluated there). Not yet: size-generic signatures (a new shape traces again, although it
-reuses the compiled kernels), CUDA-graph capture, whole training steps with optimizer state.
+Signatures. A call's *signature* is what changes the code: per tensor argument its backend,
+dtype, rank, which axes have size 1 (the broadcast pattern) and whether it is contiguous and
+aligned; per other argument its value. Sizes are not part of it: a new batch size or image
+resolution with a known signature *re-plans* (traces again and plans; the kernels, whose sizes
+are arguments, come from the cache) and counts as a re-plan, not a miss. ``cache_info()``
+reports traces, hits, misses and re-plans, with the reason for each.
+
+What a program reads. Tensor arguments are bound at every call. Tensors the function closes
+over (weights, an optimizer's state) are read through their memory at every call, never
+baked into a kernel: updating them in place (an optimizer step, ``copy_``, ``load_state_dict``)
+needs no retrace. Rebinding a Python name to another tensor is not seen, as in JAX: pass such
+tensors as arguments.
+
+Training steps. ``loss.backward()`` inside a compiled function is traced with the forward,
+as one graph; the gradients it accumulates into ``.grad`` become outputs of the program and
+are assigned after each replay (a ``.grad`` that held a value at trace time is an input read
+at every call).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from flame.ir.node import Node, format_site, user_site
+from flame.ir.shapes import contiguous_strides
 from flame.runtime import events
 from flame.runtime.storage import Storage
 from flame.tensor import Tensor, realize
 
-_tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("flame_tracing", default=False)
+_tracing: contextvars.ContextVar[object] = contextvars.ContextVar("flame_tracing", default=None)
 
 
 class TraceError(RuntimeError):
@@ -32,7 +47,7 @@ class TraceError(RuntimeError):
 
 
 def check_not_tracing(what: str) -> None:
-    if _tracing.get():
+    if _tracing.get() is not None:
         raise TraceError(
             f"{what} of a tensor inside a function being compiled [at {format_site(user_site())}]: "
             "the value is not known while tracing. Keep Python control flow on static "
@@ -40,40 +55,52 @@ def check_not_tracing(what: str) -> None:
         )
 
 
+def note_grad_assignment(owner: Tensor) -> None:
+    """Called by ``backward()`` before it writes ``owner.grad``: while tracing, the compiled
+    function records the tensor (and the gradient it held before) to make the new gradient
+    an output of the program."""
+    trace = _tracing.get()
+    if trace is not None:
+        trace.note_grad(owner)
+
+
 @dataclass
 class CacheInfo:
-    traces: int = 0
-    hits: int = 0
-    misses: int = 0
-    reasons: list = field(default_factory=list)  # why each miss happened
+    traces: int = 0  # every trace: new signatures and new sizes
+    hits: int = 0  # calls that replayed a prepared program
+    misses: int = 0  # calls with a new signature
+    replans: int = 0  # calls with a known signature and new sizes (kernels reused)
+    reasons: list = field(default_factory=list)  # why each miss or re-plan happened
 
 
 @dataclass
 class _Program:
-    out_nodes: tuple
-    sources: tuple  # per plan input: ("arg", position) or ("const", array)
+    out_nodes: tuple  # computed outputs, in plan order
+    sources: tuple  # per plan input: ("arg", position) | ("storage", Storage) | ("grad", index)
     plan: object  # executor Plan (CUDA) or None (reference)
     placeholders: tuple  # the traced argument nodes, by position (None for non-tensors)
-    structure: object  # how to rebuild fn's output (a Tensor, or a tuple/list of them)
-    passthrough: dict  # output index -> argument position, for outputs that are arguments
+    treedef: object  # how to rebuild fn's result from its flat outputs
+    flat: tuple  # per flat result: ("out", index into out_nodes) | ("arg", position)
+    grads: tuple  # (weakref to owner, had a grad at trace time, flat index of the new grad)
+    reference_inputs: tuple = ()  # reference backend: (node, source) pairs
+
+    def guards_hold(self) -> bool:
+        for owner_ref, had_grad, _ in self.grads:
+            owner = owner_ref()
+            if owner is None or (owner.grad is not None) != had_grad:
+                return False
+        return True
 
 
-def _describe(value):
-    if isinstance(value, Tensor):
-        storage = _storage(value)
-        layout = storage.layout() if storage is not None else None
-        return ("tensor", value.backend, value.dtype.name, value.shape, layout)
-    if isinstance(value, (int, float, bool, str, type(None))):
-        return ("static", type(value).__name__, value)
-    raise TypeError(
-        f"flame.compile: arguments must be tensors or Python numbers/strings, got "
-        f"{type(value).__name__}"
-    )
+class _Trace:
+    """What one trace records besides the graph: the ``.grad`` assignments of backward()."""
 
+    def __init__(self):
+        self.grads: dict[int, tuple] = {}  # id(owner) -> (owner, grad held before)
 
-def _shown(description) -> tuple:
-    """A signature entry without its memory layout (which is rarely what changed)."""
-    return description[:-1] if description[0] == "tensor" else description
+    def note_grad(self, owner: Tensor) -> None:
+        if id(owner) not in self.grads:
+            self.grads[id(owner)] = (owner, owner.grad)
 
 
 def _storage(tensor: Tensor):
@@ -81,10 +108,82 @@ def _storage(tensor: Tensor):
     return node.buffer if node.buffer is not None else node.attr("storage")
 
 
+def _exact(value):
+    """An argument's exact description (a tensor's backend, dtype, shape and layout; another
+    value's type and value): the fast path's key."""
+    if isinstance(value, Tensor):
+        return (value.backend, value.dtype, value.node.shape, _storage(value).layout())
+    if isinstance(value, list):
+        return (list, tuple(value))
+    return (type(value), value)
+
+
+def _generic(value, backend_of):
+    """What changes the code: see the module's docstring."""
+    if isinstance(value, Tensor):
+        shape = value.node.shape
+        strides, aligned = _storage(value).layout()
+        contiguous = tuple(strides) == tuple(contiguous_strides(shape)) and aligned
+        layout = "contiguous" if contiguous else (tuple(strides), aligned)
+        ones = tuple(size == 1 for size in shape)
+        return ("tensor", value.backend, value.dtype.name, len(shape), ones, layout)
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return ("static", type(value).__name__, value)
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(item, (int, float, bool, str, type(None))) for item in value
+    ):
+        return ("static", type(value).__name__, tuple(value))
+    raise TypeError(
+        f"flame.compile: arguments must be tensors or Python numbers, strings or tuples of "
+        f"them, got {type(value).__name__}"
+    )
+
+
+def _shown(entry) -> str:
+    if entry[0] == "tensor":
+        _, backend, dtype, rank, ones, layout = entry
+        pattern = "".join("1" if one else "n" for one in ones)
+        where = "" if layout == "contiguous" else f", strides {layout[0]}"
+        return f"{dtype} rank {rank} [{pattern}] on {backend}{where}"
+    return f"{entry[1]} {entry[2]!r}"
+
+
+# --- results: nested tuples, lists and dicts of tensors -------------------------------------
+
+
+def _flatten(result, leaves: list):
+    if isinstance(result, Tensor):
+        leaves.append(result)
+        return "tensor"
+    if result is None:
+        return None
+    if isinstance(result, (tuple, list)):
+        return (type(result), tuple(_flatten(item, leaves) for item in result))
+    if isinstance(result, dict):
+        return (dict, tuple(result), tuple(_flatten(item, leaves) for item in result.values()))
+    raise TypeError(
+        f"flame.compile: the function returned a {type(result).__name__}; return tensors, "
+        "or tuples, lists or dicts of them"
+    )
+
+
+def _unflatten(treedef, leaves):
+    if treedef == "tensor":
+        return next(leaves)
+    if treedef is None:
+        return None
+    if treedef[0] is dict:
+        return {key: _unflatten(item, leaves) for key, item in zip(treedef[1], treedef[2])}
+    return treedef[0](_unflatten(item, leaves) for item in treedef[1])
+
+
 class CompiledFunction:
-    def __init__(self, fn):
+    def __init__(self, fn, static_argnames=()):
         self.fn = fn
-        self._programs: dict[tuple, _Program] = {}
+        self.static_argnames = tuple(static_argnames)
+        self._signature = inspect.signature(fn)
+        self._programs: dict[tuple, _Program] = {}  # exact description -> program (fast path)
+        self._signatures: dict[tuple, dict] = {}  # generic signature -> {shapes: program}
         self._lock = threading.Lock()
         self._info = CacheInfo()
         functools.update_wrapper(self, fn)
@@ -92,100 +191,201 @@ class CompiledFunction:
     def cache_info(self) -> CacheInfo:
         return self._info
 
-    def __call__(self, *args):
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        if any(not t.is_realized for t in tensors):
-            realize(*[t for t in tensors if not t.is_realized])
-        signature = tuple(_describe(a) for a in args)
-        program = self._programs.get(signature)
-        if program is None:
-            program = self._trace(args, signature)
-        else:
+    def __call__(self, *args, **kwargs):
+        names = None
+        if kwargs:
+            args, names = self._bind(args, kwargs)
+        pending = [a for a in args if isinstance(a, Tensor) and not a.is_realized]
+        if pending:
+            realize(*pending)
+        exact = (names, *[_exact(a) for a in args])
+        program = self._programs.get(exact)
+        if program is not None and (not program.grads or program.guards_hold()):
             self._info.hits += 1
+        else:
+            program = self._trace(args, exact, names)
         return self._run(program, args)
 
-    def _miss_reason(self, signature) -> str:
-        if not self._programs:
-            return "first call"
-        previous = next(reversed(self._programs))
-        for position, (old, new) in enumerate(zip(previous, signature)):
-            if old != new:
-                return f"argument {position}: {_shown(old)} -> {_shown(new)}"
-        return "different number of arguments"
+    def _bind(self, args, kwargs) -> tuple[tuple, tuple]:
+        """Keyword arguments: every argument by position in the signature's order."""
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"flame.compile({self.fn.__qualname__}): {error}") from None
+        bound.apply_defaults()
+        return tuple(bound.arguments.values()), tuple(bound.arguments)
 
-    def _trace(self, args, signature) -> _Program:
-        reason = self._miss_reason(signature)
+    def _call(self, args, names):
+        if names is None:
+            return self.fn(*args)
+        bound = inspect.BoundArguments(self._signature, dict(zip(names, args)))
+        return self.fn(*bound.args, **bound.kwargs)
+
+    def _classify(self, args, names) -> tuple[tuple, tuple]:
+        """The generic signature and the sizes of the tensor arguments."""
+        names = list(names or self._signature.parameters)
+        generic = []
+        for position, value in enumerate(args):
+            name = names[position] if position < len(names) else f"#{position}"
+            if isinstance(value, Tensor) and name in self.static_argnames:
+                raise TypeError(
+                    f"flame.compile({self.fn.__qualname__}): static argument {name!r} is a tensor"
+                )
+            generic.append(_generic(value, None))
+        generic = (tuple(names), *generic)
+        sizes = tuple(a.shape for a in args if isinstance(a, Tensor))
+        return generic, sizes
+
+    def _miss_reason(self, generic) -> str:
+        if not self._signatures:
+            return "first call"
+        previous = next(reversed(self._signatures))
+        if previous[0] != generic[0]:
+            return f"arguments passed as {generic[0]} instead of {previous[0]}"
+        names = generic[0]
+        for position, (old, new) in enumerate(zip(previous[1:], generic[1:])):
+            if old != new:
+                name = names[position] if position < len(names) else f"#{position}"
+                return f"argument {name!r}: {_shown(old)} -> {_shown(new)}"
+        return f"{len(generic) - 1} arguments instead of {len(previous) - 1}"
+
+    def _trace(self, args, exact, names) -> _Program:
+        generic, sizes = self._classify(args, names)
+        known = self._signatures.get(generic)
+        if known is None:
+            reason, kind = self._miss_reason(generic), "miss"
+        elif sizes not in known:
+            old = next(reversed(known))
+            reason, kind = (
+                f"new sizes {list(map(list, sizes))} (was {list(map(list, old))})",
+                "replan",
+            )
+        else:
+            reason, kind = "a .grad the trace read or wrote changed (None vs set)", "miss"
         start = time.perf_counter()
-        placeholders = [
-            Node("buffer", (), (("storage", _storage(a)),), a.dtype, a.shape, a.node.site)
-            if isinstance(a, Tensor) else None
-            for a in args
-        ]  # fmt: skip
+        program = self._build(args, names)
+        with self._lock:
+            self._programs[exact] = program
+            self._signatures.setdefault(generic, {})[sizes] = program
+            self._info.traces += 1
+            if kind == "replan":
+                self._info.replans += 1
+            else:
+                self._info.misses += 1
+            self._info.reasons.append(f"{kind}: {reason}")
+        if events.active():
+            events.emit(
+                "trace", function=self.__qualname__, reason=f"{kind}: {reason}",
+                seconds=time.perf_counter() - start,
+            )  # fmt: skip
+        return program
+
+    def _build(self, args, names) -> _Program:
+        placeholders = []
+        for a in args:
+            if not isinstance(a, Tensor):
+                placeholders.append(None)
+                continue
+            node = Node("buffer", (), (("storage", _storage(a)),), a.dtype, a.shape, a.node.site)
+            node.grad_info = a.node.grad_info  # backward() inside reaches the caller's tensor
+            placeholders.append(node)
         traced_args = [
             Tensor(node, a.backend) if node is not None else a
             for node, a in zip(placeholders, args)
         ]
-        token = _tracing.set(True)
+        trace = _Trace()
+        token = _tracing.set(trace)
         try:
-            result = self.fn(*traced_args)
+            result = self._call(traced_args, names)
+        except BaseException:
+            for owner, previous in trace.grads.values():
+                owner.grad = previous  # a failed trace leaves no traced value behind
+            raise
         finally:
             _tracing.reset(token)
-        outputs = [result] if isinstance(result, Tensor) else list(result)
-        if not all(isinstance(out, Tensor) for out in outputs):
-            raise TypeError(
-                "flame.compile: the function must return a tensor or a tuple of tensors"
-            )
-        program = self._prepare(
-            outputs, placeholders, type(result) if not isinstance(result, Tensor) else Tensor
-        )
-        with self._lock:
-            self._programs[signature] = program
-            self._info.traces += 1
-            self._info.misses += 1
-            self._info.reasons.append(reason)
-        if events.active():
-            events.emit(
-                "trace",
-                function=self.__qualname__,
-                reason=reason,
-                seconds=time.perf_counter() - start,
-            )
-        return program
+        leaves: list[Tensor] = []
+        treedef = _flatten(result, leaves)
+        grads = []
+        for owner, previous in trace.grads.values():
+            grads.append((owner, previous is not None, len(leaves)))
+            leaves.append(owner.grad)
+            owner.grad = previous  # the replay reads it, then assigns the program's result
+        if not leaves:
+            raise TypeError("flame.compile: the function returned no tensor and set no .grad")
+        backend = leaves[0].backend
+        if any(leaf.backend != backend for leaf in leaves) or any(
+            a.backend != backend for a in args if isinstance(a, Tensor)
+        ):
+            raise ValueError("flame.compile: tensors on different backends in one function")
+        return self._prepare(leaves, placeholders, treedef, trace, grads)
 
-    def _prepare(self, outputs, placeholders, structure) -> _Program:
+    def _prepare(self, leaves, placeholders, treedef, trace, grads) -> _Program:
         position_of = {id(node): i for i, node in enumerate(placeholders) if node is not None}
-        passthrough = {
-            index: position_of[id(out.node)] for index, out in enumerate(outputs)
-            if id(out.node) in position_of
+        previous_grad = {
+            id(previous.node): index
+            for index, (_, previous) in enumerate(trace.grads.values())
+            if previous is not None
         }  # fmt: skip
-        computed = [out.node for index, out in enumerate(outputs) if index not in passthrough]
-        backend = outputs[0].backend
-        if backend != "cuda" or not computed:
-            return _Program(tuple(computed), (), None, tuple(placeholders), structure, passthrough)
-        from flame.runtime.executor import _array_of, default_executor, linearize
+        flat, computed, seen = [], [], {}
+        for leaf in leaves:
+            node = leaf.node
+            if id(node) in position_of:
+                flat.append(("arg", position_of[id(node)]))
+            elif node.buffer is not None or node.op == "buffer":
+                flat.append(("fixed", leaf))  # a realized tensor the function returned as is
+            else:
+                if id(node) not in seen:
+                    seen[id(node)] = len(computed)
+                    computed.append(node)
+                flat.append(("out", seen[id(node)]))
+        grad_entries = tuple((weakref.ref(owner), had, index) for owner, had, index in grads)
+        common = dict(
+            placeholders=tuple(placeholders), treedef=treedef, flat=tuple(flat),
+            grads=grad_entries,
+        )  # fmt: skip
+        backend = leaves[0].backend
+        if not computed:
+            return _Program((), (), None, **common)
+        from flame.runtime.executor import linearize
 
-        executor = default_executor()
         _, inputs, key = linearize(computed)
-        plan = executor.plan_for(computed, inputs, key)
         sources = tuple(
             ("arg", position_of[id(node)]) if id(node) in position_of
-            else ("const", _array_of(node))
+            else ("grad", previous_grad[id(node)]) if id(node) in previous_grad
+            else ("storage", _storage_of(node))
             for node in inputs
         )  # fmt: skip
-        return _Program(tuple(computed), sources, plan, tuple(placeholders), structure, passthrough)
+        if backend != "cuda":
+            pairs = tuple(zip(inputs, sources))
+            return _Program(tuple(computed), sources, None, reference_inputs=pairs, **common)
+        from flame.runtime.executor import default_executor
+
+        plan = default_executor().plan_for(computed, inputs, key)
+        # the plan's outputs come back in the order it was asked for them
+        return _Program(tuple(computed), sources, plan, **common)
 
     def _run(self, program: _Program, args):
-        values = self._replay(program, args)
-        results, computed = [], iter(values)
-        count = len(program.out_nodes) + len(program.passthrough)
-        for index in range(count):
-            if index in program.passthrough:
-                results.append(args[program.passthrough[index]])
-            else:
-                results.append(next(computed))
-        if program.structure is Tensor:
-            return results[0]
-        return program.structure(results)
+        values = self._replay(program, args) if program.out_nodes else []
+        flat = [
+            values[item] if kind == "out" else args[item] if kind == "arg" else item
+            for kind, item in program.flat
+        ]
+        for owner_ref, _, index in program.grads:
+            owner = owner_ref()
+            if owner is not None:
+                owner.grad = flat[index]
+        return _unflatten(program.treedef, iter(flat))
+
+    def _source_storage(self, program, kind, value, args):
+        if kind == "arg":
+            return _storage(args[value])
+        if kind == "grad":
+            owner = program.grads[value][0]()
+            grad = owner.grad
+            if not grad.is_realized:
+                grad.realize()
+            return _storage(grad)
+        return value
 
     def _replay(self, program: _Program, args) -> list:
         if program.plan is None:
@@ -193,9 +393,10 @@ class CompiledFunction:
         from flame.runtime.executor import default_executor
 
         arrays = [
-            _storage(args[value]).device_array() if kind == "arg" else value
+            _storage(args[value]).device_array() if kind == "arg"
+            else self._source_storage(program, kind, value, args).device_array()
             for kind, value in program.sources
-        ]
+        ]  # fmt: skip
         slots = default_executor().run(program.plan, arrays)
         return [
             _wrap(Storage("cuda", node.dtype, array=slots[slot]), node)
@@ -206,8 +407,8 @@ class CompiledFunction:
         from flame.runtime.reference import evaluate
 
         bound = {
-            id(node): _storage(arg).numpy()
-            for node, arg in zip(program.placeholders, args) if node is not None
+            id(node): self._source_storage(program, kind, value, args).numpy()
+            for node, (kind, value) in program.reference_inputs
         }  # fmt: skip
         values = evaluate(list(program.out_nodes), inputs=bound, realized=False)
         return [
@@ -216,13 +417,20 @@ class CompiledFunction:
         ]
 
 
+def _storage_of(node: Node):
+    return node.buffer if node.buffer is not None else node.attr("storage")
+
+
 def _wrap(storage: Storage, like: Node) -> Tensor:
     node = Node("buffer", (), (("storage", storage),), like.dtype, like.shape, like.site)
     return Tensor(node, storage.backend)
 
 
-def compile(fn=None):  # noqa: A001 (flame.compile, as torch.compile)
-    """Trace ``fn`` once per signature and replay the prepared kernels on later calls."""
+def compile(fn=None, *, static_argnames=()):  # noqa: A001 (flame.compile, as torch.compile)
+    """Trace ``fn`` once per signature and replay the prepared kernels on later calls.
+
+    ``static_argnames``: parameters whose values select code (their values are part of the
+    signature; passing a tensor there is an error)."""
     if fn is None:
-        return compile
-    return CompiledFunction(fn)
+        return functools.partial(compile, static_argnames=static_argnames)
+    return CompiledFunction(fn, static_argnames)

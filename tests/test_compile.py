@@ -39,7 +39,7 @@ def test_signature_changes_retrace_with_a_reason(rng, reference_backend):
     compiled(x.half(), y.half(), 2.5)  # dtype changed
     info = compiled.cache_info()
     assert info.traces == 3
-    assert "argument 2" in info.reasons[1] and "1.5" in info.reasons[1]
+    assert "argument 'scale'" in info.reasons[1] and "1.5" in info.reasons[1]
     assert "float16" in info.reasons[2]
 
 
@@ -54,8 +54,8 @@ def test_python_control_flow_on_a_traced_value_is_an_error(rng, reference_backen
 
 
 def test_unsupported_argument_type_is_an_error(reference_backend):
-    with pytest.raises(TypeError, match="list"):
-        fl.compile(lambda x: x)([1, 2])
+    with pytest.raises(TypeError, match="ndarray"):
+        fl.compile(lambda x: x)(np.ones(3))
 
 
 @pytest.mark.gpu

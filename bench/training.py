@@ -1,0 +1,356 @@
+"""Training-step benchmarks: the AdamW step and the bfloat16 MLP training step.
+
+    python -m bench.training --out DIR [--quick]
+
+Peers in the same run: PyTorch's fused and foreach AdamW; for the MLP, PyTorch eager and
+``torch.compile`` (forward and backward compiled, fused AdamW). Device time is the median of
+CUDA-event timings after warm-up; "first call" is the wall time of the first step in this
+process with FLAME's kernel cache empty (a fresh ``FLAME_CACHE_DIR``) and again with it warm
+(in a new process). Writes ``training.json`` and ``training.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ADAMW_SHAPES = [(1024, 1024)] * 150 + [(65536,)] * 50  # 200 params, 160.6 M elements
+ADAMW_QUICK = [(64, 64)] * 150 + [(1000,)] * 50
+MLP = dict(batch=8192, d_in=4096, d_hidden=16384)
+MLP_QUICK = dict(batch=256, d_in=256, d_hidden=512)
+LR, WEIGHT_DECAY = 1e-3, 1e-2
+
+
+def median_ms(run, repeats: int, warmup: int = 3) -> float:
+    import cupy
+
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(samples)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    import cupy
+
+    source = cupy.ones(1 << 28, dtype=cupy.float32)
+    target = cupy.empty_like(source)
+    ms = median_ms(lambda: cupy.copyto(target, source), 10)
+    return 2 * source.nbytes / (ms / 1e3)
+
+
+# --- AdamW ---------------------------------------------------------------------------------
+
+
+def adamw(quick: bool, repeats: int) -> dict:
+    import cupy
+    import torch
+
+    import flame as fl
+
+    shapes = ADAMW_QUICK if quick else ADAMW_SHAPES
+    elements = sum(int(np.prod(shape)) for shape in shapes)
+    rng = cupy.random.default_rng(0)
+    inits = [rng.standard_normal(shape, dtype=cupy.float32) for shape in shapes]
+    grads = [rng.standard_normal(shape, dtype=cupy.float32) for shape in shapes]
+
+    params = [fl.from_dlpack(cupy.array(a, copy=True)).requires_grad_() for a in inits]
+    for p, g in zip(params, grads):
+        p.grad = fl.from_dlpack(g)
+    opt = fl.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    start = time.perf_counter()
+    opt.step()
+    fl.synchronize()
+    first = time.perf_counter() - start
+    flame_ms = median_ms(opt.step, repeats)
+    calls = 20
+    start = time.perf_counter()
+    for _ in range(calls):
+        opt.step()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    fl.synchronize()
+
+    results = {"flame": {"ms": flame_ms, "first_call_s": first, "host_us_per_step": host_us}}
+    steps_taken = 3 + repeats + calls + 1
+    for variant in ("fused", "foreach"):
+        tparams = [torch.as_tensor(a, device="cuda").clone().requires_grad_() for a in inits]
+        for p, g in zip(tparams, grads):
+            p.grad = torch.as_tensor(g, device="cuda")
+        topt = torch.optim.AdamW(
+            tparams, lr=LR, weight_decay=WEIGHT_DECAY, **{variant: True}
+        )  # fmt: skip
+        start = time.perf_counter()
+        topt.step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        ms = median_ms(topt.step, repeats)
+        results[f"torch_{variant}"] = {"ms": ms, "first_call_s": first}
+        if variant == "fused":
+            for _ in range(steps_taken - 1 - 3 - repeats):
+                topt.step()
+            worst = 0.0
+            for p, t in list(zip(params, tparams))[::37]:
+                ours = cupy.asarray(p.node.buffer.array)
+                theirs = cupy.asarray(t.detach())
+                scale = float(cupy.abs(theirs).max()) + 1e-12
+                worst = max(worst, float(cupy.abs(ours - theirs).max()) / scale)
+            results["max_relative_difference_vs_torch_fused"] = worst
+        del topt, tparams
+    bandwidth = copy_bandwidth()
+    floor_ms = 28 * elements / bandwidth * 1e3  # p, m, v read+written, g read: 7 x 4 bytes
+    return {
+        "params": len(shapes), "elements": elements, "floor_ms": floor_ms,
+        "copy_bandwidth_tb_s": bandwidth / 1e12, **results,
+    }  # fmt: skip
+
+
+# --- bfloat16 MLP training step ----------------------------------------------------------------
+
+
+def mlp_flame(x_np, y_np, weights, repeats):
+    import cupy
+
+    import flame as fl
+    import flame.nn.functional as F
+
+    x = fl.from_dlpack(cupy.asarray(x_np)).to(fl.bfloat16).realize()
+    y = fl.from_dlpack(cupy.asarray(y_np)).to(fl.bfloat16).realize()
+    params = [fl.from_dlpack(cupy.asarray(w)).to(fl.bfloat16).realize() for w in weights]
+    for p in params:
+        p.requires_grad_()
+    opt = fl.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)
+
+    @fl.compile
+    def loss_and_grads(x, y, w1, b1, w2, b2):
+        def loss(w1, b1, w2, b2):
+            hidden = F.gelu(x @ w1 + b1)
+            return F.mse_loss(hidden @ w2 + b2, y)
+
+        return fl.value_and_grad(loss, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
+
+    losses = []
+
+    def step():
+        loss, grads = loss_and_grads(x, y, *params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        losses.append(loss)
+
+    start = time.perf_counter()
+    step()
+    fl.synchronize()
+    first = time.perf_counter() - start
+    ms = median_ms(step, repeats)
+    return {
+        "ms": ms,
+        "first_call_s": first,
+        "losses": [float(value.item()) for value in losses[:4]],
+    }
+
+
+def mlp_torch(x_np, y_np, weights, repeats, compiled: bool):
+    import torch
+    import torch.nn.functional as F
+
+    device = "cuda"
+    x = torch.as_tensor(x_np, device=device).bfloat16()
+    y = torch.as_tensor(y_np, device=device).bfloat16()
+    params = [torch.as_tensor(w, device=device).bfloat16().requires_grad_() for w in weights]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def loss_fn(x, y, w1, b1, w2, b2):
+        return F.mse_loss(F.gelu(x @ w1 + b1) @ w2 + b2, y)
+
+    loss_fn = torch.compile(loss_fn) if compiled else loss_fn
+    losses = []
+
+    def step():
+        loss = loss_fn(x, y, *params)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    ms = median_ms(step, repeats)
+    return {"ms": ms, "first_call_s": first, "losses": [float(value) for value in losses[:4]]}
+
+
+def mlp(quick: bool, repeats: int) -> dict:
+    size = MLP_QUICK if quick else MLP
+    rng = np.random.default_rng(0)
+    b, d, h = size["batch"], size["d_in"], size["d_hidden"]
+    x = rng.standard_normal((b, d), dtype=np.float32)
+    y = rng.standard_normal((b, d), dtype=np.float32)
+    weights = [
+        rng.standard_normal((d, h), dtype=np.float32) / np.sqrt(d),
+        np.zeros(h, np.float32) + 0.01,
+        rng.standard_normal((h, d), dtype=np.float32) / np.sqrt(h),
+        np.zeros(d, np.float32) + 0.01,
+    ]
+    flops = 3 * 2 * (2 * b * d * h)  # two matmuls forward, twice that backward
+    results = {"flops": flops}
+    results["flame"] = mlp_flame(x, y, weights, repeats)
+    results["torch_eager"] = mlp_torch(x, y, weights, repeats, compiled=False)
+    results["torch_compile"] = mlp_torch(x, y, weights, repeats, compiled=True)
+    for entry in ("flame", "torch_eager", "torch_compile"):
+        results[entry]["tflop_s"] = flops / (results[entry]["ms"] / 1e3) / 1e12
+    return results
+
+
+def first_step_process(quick: bool, cache: Path) -> float:
+    """Wall seconds of the MLP's first FLAME step in a new process with this cache folder."""
+    code = (
+        "import time, sys; start = time.perf_counter(); "
+        "import bench.training as t, numpy as np; "
+        f"quick = {quick!r}; "
+        "size = t.MLP_QUICK if quick else t.MLP; rng = np.random.default_rng(0); "
+        "b, d, h = size['batch'], size['d_in'], size['d_hidden']; "
+        "x = rng.standard_normal((b, d), dtype=np.float32); y = x * 0.5; "
+        "w = [rng.standard_normal((d, h), dtype=np.float32) / 64, np.zeros(h, np.float32), "
+        "rng.standard_normal((h, d), dtype=np.float32) / 128, np.zeros(d, np.float32)]; "
+        "t.first_step_only(x, y, w); print(time.perf_counter() - start)"
+    )
+    environment = dict(os.environ, FLAME_CACHE_DIR=str(cache))
+    output = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+        timeout=600, check=True,
+    )  # fmt: skip
+    return float(output.stdout.strip().splitlines()[-1])
+
+
+def first_step_only(x, y, weights) -> None:
+    """Setup + one step: what a new training process pays before its first step is done."""
+    import flame as fl
+
+    _mlp_first_step(x, y, weights)
+    fl.synchronize()
+
+
+def _mlp_first_step(x, y, weights):
+    import cupy
+
+    import flame as fl
+    import flame.nn.functional as F
+
+    xs = fl.from_dlpack(cupy.asarray(x)).to(fl.bfloat16)
+    ys = fl.from_dlpack(cupy.asarray(y)).to(fl.bfloat16)
+    params = [fl.from_dlpack(cupy.asarray(w)).to(fl.bfloat16).realize() for w in weights]
+    for p in params:
+        p.requires_grad_()
+    opt = fl.optim.AdamW(params, lr=1e-4)
+
+    @fl.compile
+    def loss_and_grads(x, y, w1, b1, w2, b2):
+        def loss(w1, b1, w2, b2):
+            return F.mse_loss(F.gelu(x @ w1 + b1) @ w2 + b2, y)
+
+        return fl.value_and_grad(loss, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
+
+    loss, grads = loss_and_grads(xs.realize(), ys.realize(), *params)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+    return loss.item()
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Training benchmarks ({report['device']})", ""]
+    a = report.get("adamw")
+    if a:
+        lines += [
+            f"## AdamW step: {a['params']} params, {a['elements'] / 1e6:.1f} M elements, float32",
+            "",
+            f"floor {a['floor_ms']:.3f} ms (28 B/element at {a['copy_bandwidth_tb_s']:.2f} TB/s)",
+            "",
+            "| system | ms | vs floor | FLAME speed-up | first call s |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name in ("flame", "torch_fused", "torch_foreach"):
+            entry = a[name]
+            lines.append(
+                f"| {name} | {entry['ms']:.3f} | {entry['ms'] / a['floor_ms']:.2f}x | "
+                f"{entry['ms'] / a['flame']['ms']:.2f}x | {entry['first_call_s']:.3f} |"
+            )
+        lines += [
+            "",
+            f"FLAME host time per step: {a['flame']['host_us_per_step']:.0f} us; max relative "
+            f"difference vs torch fused after the same steps: "
+            f"{a['max_relative_difference_vs_torch_fused']:.2e}",
+            "",
+        ]
+    m = report.get("mlp")
+    if m:
+        lines += [
+            "## bfloat16 MLP training step (Linear, GELU, Linear, MSE, AdamW)",
+            "",
+            "| system | ms | TFLOP/s | FLAME speed-up | first call s | losses |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name in ("flame", "torch_eager", "torch_compile"):
+            entry = m[name]
+            losses = ", ".join(f"{value:.4f}" for value in entry["losses"])
+            lines.append(
+                f"| {name} | {entry['ms']:.3f} | {entry['tflop_s']:.0f} | "
+                f"{entry['ms'] / m['flame']['ms']:.2f}x | {entry['first_call_s']:.2f} | {losses} |"
+            )
+        if "first_step_cold_s" in m:
+            lines += [
+                "",
+                f"FLAME first step in a new process: cold cache {m['first_step_cold_s']:.2f} s, "
+                f"warm disk cache {m['first_step_warm_s']:.2f} s (process start and imports "
+                "included)",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("out/training"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", choices=("adamw", "mlp"), action="append")
+    arguments = parser.parse_args(argv)
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FLAME_CACHE_DIR", tempfile.mkdtemp(prefix="flame-bench-cache-"))
+    import cupy
+
+    report = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    chosen = arguments.only or ["adamw", "mlp"]
+    if "adamw" in chosen:
+        report["adamw"] = adamw(arguments.quick, arguments.repeats)
+    if "mlp" in chosen:
+        report["mlp"] = mlp(arguments.quick, arguments.repeats)
+        cache = Path(tempfile.mkdtemp(prefix="flame-first-step-"))
+        report["mlp"]["first_step_cold_s"] = first_step_process(arguments.quick, cache)
+        report["mlp"]["first_step_warm_s"] = first_step_process(arguments.quick, cache)
+    (arguments.out / "training.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (arguments.out / "training.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
