@@ -312,7 +312,65 @@ def _run_dump(arguments: argparse.Namespace) -> int:
     return 0 if status["complete"] else status.get("exit_code", 1) or 1
 
 
-_SUBCOMMANDS = [_add_info, _add_cache, _add_dump]
+def _add_check(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "check",
+        help="run a script; compare every fused kernel with the float64 reference",
+        description="Run SCRIPT with ARGS on the GPU. On the first run of every plan, each fused "
+        "kernel's outputs are compared with the float64 reference interpreter fed the same "
+        "inputs; the first kernel outside its tolerance is reported and a standalone repro "
+        "(inputs.npz, kernel.cu, launch.json, expected.npz, repro.py) is written to DIR.",
+    )
+    parser.add_argument("--out", metavar="DIR", help=f"repro folder (default: {_CHECK_FOLDER})")
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    parser.set_defaults(run=_run_check)
+
+
+_CHECK_FOLDER = "flame_check"
+
+
+def _run_check(arguments: argparse.Namespace) -> int:
+    from flame.runtime.device import gpu_available, gpu_unavailable_reason
+    from flame.tools.check import check_script, report_text
+    from flame.tools.dump import uninstall_environment
+    from flame.tools.script import ScriptNotFound
+    from flame.tools.script import check_script as find_script
+
+    options = _tool_options(arguments, {"--out": False})
+    try:
+        script = find_script(arguments.script)
+    except ScriptNotFound as error:
+        print(f"flame check: {error}", file=sys.stderr)
+        return 2
+    if not gpu_available():
+        print(
+            f"flame check: no GPU ({gpu_unavailable_reason()}). It runs every kernel on the GPU "
+            "and compares it with the reference; without one, `flame dump` still renders and "
+            "compiles every kernel.",
+            file=sys.stderr,
+        )
+        return 2
+    uninstall_environment()
+    out = Path(options["--out"] or _CHECK_FOLDER)
+    status, recorder = check_script(script, options["args"], out)
+    print(
+        f"flame check: {recorder.kernels_checked} kernels of {recorder.plans_checked} plans "
+        "compared with the float64 reference"
+    )
+    for problem in recorder.problems:
+        print(f"  {problem}")
+    if recorder.failure is not None:
+        print(report_text(recorder.failure))
+        return 1
+    if not status["complete"]:
+        print(f"flame check: stopped early: {status.get('reason')}", file=sys.stderr)
+        return status.get("exit_code", 1) or 1
+    print("every kernel is within its tolerance")
+    return 0
+
+
+_SUBCOMMANDS = [_add_info, _add_cache, _add_dump, _add_check]
 
 
 if __name__ == "__main__":
