@@ -138,7 +138,7 @@ def _trace(rule, dtypes_, scalars, outputs: int) -> _Traced:
         raise ForeachError(
             f"foreach: {rule.__name__} returned {len(results)} values; into names {outputs}"
         )
-    for position, (result, target) in enumerate(zip(results, placeholders)):
+    for position, result in enumerate(results):
         if result.shape != (_TRACE_LENGTH,):
             raise ForeachError(
                 f"foreach: result {position} of {rule.__name__} has shape {list(result.shape)}; "

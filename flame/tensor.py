@@ -169,6 +169,13 @@ class Tensor:
             storage.device_array()[...] = values.device_array().reshape(self.shape)
         return self
 
+    def data_ptr(self) -> int:
+        """The address of this tensor's memory on the GPU (realizes it), as PyTorch's."""
+        storage = self._storage()
+        if storage.backend != "cuda":
+            raise ValueError("data_ptr: a reference-backend tensor lives in NumPy memory")
+        return storage.device_array().data.ptr
+
     # --- interop (realizes) ---------------------------------------------------------------
     def __dlpack__(self, stream=None, **kwargs):
         storage = self._storage()

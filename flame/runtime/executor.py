@@ -42,13 +42,24 @@ class Launch:
     writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
     shapes: tuple  # per written slot: (shape, dtype)
 
-    def execute(self, slots: list) -> None:
-        import cupy
+    def __post_init__(self):
+        # precomputed for the replay loop: (slot, shape, dtype) per output, and per parameter
+        # (is a slot, slot or scalar value)
+        allocations = tuple(
+            (slot, shape, dtype) for (slot, _), (shape, dtype) in zip(self.writes, self.shapes)
+        )  # fmt: skip
+        binding = tuple((kind != "scalar", value) for kind, value in self.args)
+        object.__setattr__(self, "_allocations", allocations)
+        object.__setattr__(self, "_binding", binding)
+        object.__setattr__(self, "_launch_shape", ((self.grid,), (self.block,)))
 
-        for (slot, _), (shape, dtype) in zip(self.writes, self.shapes):
-            slots[slot] = cupy.empty(shape, dtype=dtype)
-        arguments = [slots[value] if kind != "scalar" else value for kind, value in self.args]
-        self.function((self.grid,), (self.block,), arguments)
+    def execute(self, slots: list) -> None:
+        empty = _cupy().empty
+        for slot, shape, dtype in self._allocations:
+            slots[slot] = empty(shape, dtype=dtype)
+        arguments = [slots[value] if is_slot else value for is_slot, value in self._binding]
+        grid, block = self._launch_shape
+        self.function(grid, block, arguments)
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,13 @@ class Executor:
                     self._functions[key] = function
             functions.append(function[1])
         return functions
+
+
+@functools.lru_cache(maxsize=1)
+def _cupy():
+    import cupy
+
+    return cupy
 
 
 def _array_of(node: Node):
