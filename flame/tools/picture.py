@@ -276,6 +276,12 @@ table { border-collapse: collapse; } td, th { padding: 2px 8px; text-align: righ
 """
 
 _SCRIPT = """
+function openTarget() {  // index.html#g1-k2 opens that kernel's source
+  var target = location.hash && document.getElementById(location.hash.slice(1));
+  if (target && target.tagName === 'DETAILS') { target.open = true; }
+}
+window.addEventListener('hashchange', openTarget);
+openTarget();
 document.querySelectorAll('svg .node').forEach(function (node) {
   node.addEventListener('click', function () {
     document.querySelectorAll('.hl').forEach(function (x) { x.classList.remove('hl'); });
