@@ -159,9 +159,11 @@ def from_dlpack(source) -> Tensor:
     device_type = source.__dlpack_device__()[0] if hasattr(source, "__dlpack_device__") else 1
     site = user_site()
     if device_type == 2 or (device_type != 1 and hasattr(source, "__cuda_array_interface__")):
-        import cupy
-
-        array = cupy.from_dlpack(source)
+        array, dtype = _cupy_from_dlpack(source)
+        if dtype is not None:  # bfloat16, held as uint16
+            storage = Storage("cuda", dtype, array=array)
+            node = Node("buffer", (), (("storage", storage),), dtype, array.shape, site)
+            return Tensor(node, "cuda")
         dtype = _flame_dtype_of(np.empty(0, array.dtype)) if array.dtype != np.float64 else None
         if dtype is None or dtype.numpy != array.dtype:
             raise TypeError(f"from_dlpack: dtype {array.dtype} is not a FLAME dtype")
@@ -175,6 +177,33 @@ def from_dlpack(source) -> Tensor:
     return Tensor(
         Node("buffer", (), (("storage", storage),), dtype, array.shape, site), "reference"
     )
+
+
+def _cupy_from_dlpack(source):
+    """(CuPy array, None), or (uint16 CuPy array, bfloat16) for a bfloat16 source, which
+    CuPy cannot open itself: its capsule is relabelled uint16 first (flame/runtime/dlpack.py)."""
+    import cupy
+
+    try:
+        return cupy.from_dlpack(source), None
+    except Exception as error:  # CuPy's error for an unknown dtype varies between versions
+        if not hasattr(source, "__dlpack__"):
+            raise
+        from flame.runtime.dlpack import (
+            K_DL_BFLOAT,
+            K_DL_UINT,
+            CapsuleSource,
+            capsule_dtype,
+            relabel,
+        )
+
+        stream = cupy.cuda.get_current_stream()
+        capsule = source.__dlpack__(stream=stream.ptr or 1)
+        if capsule_dtype(capsule) != (K_DL_BFLOAT, 16, 1):
+            raise TypeError(f"from_dlpack: {error}") from None
+        relabel(capsule, K_DL_UINT, 16)
+        wrapped = CapsuleSource(capsule, source.__dlpack_device__())
+        return cupy.from_dlpack(wrapped), dtypes.bfloat16
 
 
 def bernoulli(p, seed=None, shape=None) -> Tensor:

@@ -181,8 +181,11 @@ class Tensor:
         storage = self._storage()
         if storage.backend == "reference" or storage.array is None:
             return np.ascontiguousarray(storage.numpy()).__dlpack__(**_numpy_dlpack_args(kwargs))
-        if self.dtype is dtypes.bfloat16:
-            raise TypeError("DLPack export of bfloat16 needs a CuPy with bfloat16; use .numpy()")
+        if self.dtype is dtypes.bfloat16:  # CuPy holds it as uint16: relabel the capsule
+            from flame.runtime.dlpack import K_DL_BFLOAT, relabel
+
+            capsule = storage.device_array().__dlpack__(stream=stream, **kwargs)
+            return relabel(capsule, K_DL_BFLOAT, 16)
         return storage.device_array().__dlpack__(stream=stream, **kwargs)
 
     def __dlpack_device__(self):
@@ -197,7 +200,10 @@ class Tensor:
         if self.backend != "cuda":
             raise AttributeError("a reference-backend tensor lives on the CPU")
         if self.dtype is dtypes.bfloat16:
-            raise AttributeError("CUDA array interface has no bfloat16 type")
+            raise AttributeError(
+                "the CUDA array interface has no bfloat16 type; use DLPack (torch.from_dlpack, "
+                "jax.dlpack.from_dlpack), which does"
+            )
         return self._storage().device_array().__cuda_array_interface__
 
     # --- casts ------------------------------------------------------------------------------
