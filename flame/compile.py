@@ -192,6 +192,22 @@ class CompiledFunction:
     def cache_info(self) -> CacheInfo:
         return self._info
 
+    def programs(self) -> list[dict]:
+        """One entry per prepared program: its signature, sizes, launches and the planned
+        peak of its own buffers (intermediates released after their last reader)."""
+        entries = []
+        for generic, by_sizes in self._signatures.items():
+            for sizes, program in by_sizes.items():
+                plan = program.plan
+                entries.append({
+                    "signature": [_shown(entry) for entry in generic[1:]],
+                    "sizes": [list(size) for size in sizes],
+                    "launches": len(plan.launches) if plan is not None else 0,
+                    "planned_peak_bytes": plan.planned_peak_bytes if plan is not None else None,
+                    "sets_grads": len(program.grads),
+                })  # fmt: skip
+        return entries
+
     def __call__(self, *args, **kwargs):
         names = None
         if kwargs:

@@ -215,3 +215,32 @@ def test_compiled_training_step_on_the_gpu(rng):
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-4)
     for a, b in zip(results[1][1], results[0][1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_programs_report_signature_and_sizes(rng, reference_backend):
+    compiled = fl.compile(lambda x, y: x * y)
+    compiled(_t(rng, 4, 8), _t(rng, 8))
+    (entry,) = compiled.programs()
+    assert entry["signature"] == [
+        "float32 rank 2 [nn] on reference",
+        "float32 rank 1 [n] on reference",
+    ]
+    assert entry["sizes"] == [[4, 8], [8]]
+
+
+@pytest.mark.gpu
+def test_plan_releases_intermediates_after_their_last_reader(rng):
+    # softmax-then-matmul: the softmax's result is an intermediate read only by the matmul
+    x, w = _t(rng, 256, 512), _t(rng, 512, 64)
+    compiled = fl.compile(lambda x, w: (F.softmax(x, -1) @ w).sum(-1) * 2.0)
+    got = compiled(x, w)
+    np.testing.assert_allclose(
+        got.numpy(), (F.softmax(x, -1) @ w).sum(-1).numpy() * 2.0, rtol=1e-4, atol=1e-5
+    )
+    program = next(iter(compiled._programs.values()))
+    plan = program.plan
+    released = {slot for slots in plan.releases for slot in slots}
+    assert released and not released & set(plan.output_slots)
+    everything = sum(n.numel * n.dtype.itemsize for g in plan.graph.groups for n in g.outputs)
+    assert 0 < plan.planned_peak_bytes < everything
+    assert compiled.programs()[0]["planned_peak_bytes"] == plan.planned_peak_bytes

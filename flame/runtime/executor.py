@@ -102,6 +102,10 @@ class Plan:
     output_slots: tuple[int, ...]  # where each requested output ends up
     graph: Graph  # after the passes, for the dump
     plan_seconds: float
+    # per launch: the slots no later launch reads (released right after it, so the memory
+    # pool reuses them for later outputs); and the bytes live at the worst point of the plan
+    releases: tuple[tuple[int, ...], ...] = ()
+    planned_peak_bytes: int = 0
 
 
 def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
@@ -190,8 +194,10 @@ class Executor:
         slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
         if events.active():
             return self._run_observed(plan, slots)
-        for step in plan.launches:
+        for step, releases in zip(plan.launches, plan.releases):
             step.execute(slots)
+            for slot in releases:
+                slots[slot] = None
         return slots
 
     def _run_observed(self, plan: Plan, slots: list) -> list:
@@ -239,7 +245,10 @@ class Executor:
             for group in graph.groups
         )  # fmt: skip
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
-        plan = Plan(launches, slot_count, output_slots, graph, time.perf_counter() - start)
+        releases, peak = _plan_memory(launches, len(inputs), output_slots, graph, slot_of)
+        plan = Plan(
+            launches, slot_count, output_slots, graph, time.perf_counter() - start, releases, peak
+        )
         if observed:
             events.emit("plan", plan=plan, passes=passes, seconds=plan.plan_seconds, cached=False)
         return plan
@@ -259,6 +268,37 @@ class Executor:
                     self._functions[key] = function
             functions.append(function[1])
         return functions
+
+
+def _reads(step) -> list[int]:
+    if isinstance(step, LibraryCall):
+        return list(step.inputs)
+    return [value for kind, value in step.args if kind == "in"]
+
+
+def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
+    """Which intermediate slots each launch is the last reader of, and the planned peak: the
+    most bytes of this plan's own buffers alive at once (inputs belong to the caller)."""
+    last_read: dict[int, int] = {}
+    for index, step in enumerate(launches):
+        for slot in _reads(step):
+            last_read[slot] = index
+    kept = set(output_slots)
+    releases = [[] for _ in launches]
+    for slot, index in last_read.items():
+        if slot >= input_count and slot not in kept:
+            releases[index].append(slot)
+    size_of = {}
+    for group in graph.groups:
+        for node in group.outputs:
+            size_of[slot_of[id(node)]] = node.numel * node.dtype.itemsize
+    live = peak = 0
+    for index, step in enumerate(launches):
+        written = [slot for slot, _ in step.writes] if isinstance(step, Launch) else [step.output]
+        live += sum(size_of.get(slot, 0) for slot in written)
+        peak = max(peak, live)
+        live -= sum(size_of.get(slot, 0) for slot in releases[index])
+    return tuple(tuple(sorted(slots)) for slots in releases), peak
 
 
 @functools.lru_cache(maxsize=1)
