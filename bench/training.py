@@ -204,9 +204,9 @@ def mlp(quick: bool, repeats: int) -> dict:
     x = rng.standard_normal((b, d), dtype=np.float32)
     y = rng.standard_normal((b, d), dtype=np.float32)
     weights = [
-        rng.standard_normal((d, h), dtype=np.float32) / np.sqrt(d),
+        rng.standard_normal((d, h), dtype=np.float32) / float(np.sqrt(d)),
         np.zeros(h, np.float32) + 0.01,
-        rng.standard_normal((h, d), dtype=np.float32) / np.sqrt(h),
+        rng.standard_normal((h, d), dtype=np.float32) / float(np.sqrt(h)),
         np.zeros(d, np.float32) + 0.01,
     ]
     flops = 3 * 2 * (2 * b * d * h)  # two matmuls forward, twice that backward

@@ -64,7 +64,7 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
     for index in range(count):
         by_dtypes.setdefault(tuple(column[index].dtype for column in lists), []).append(index)
     for dtypes_, indices in by_dtypes.items():
-        traced = _trace(rule, dtypes_, scalars, len(into))
+        traced = _trace(rule, dtypes_, scalars, tuple(into))
         kernel = _kernel(traced)
         arrays = [[_array(column[index]) for index in indices] for column in lists]
         shared = {}
@@ -115,8 +115,9 @@ def _stand_in(dtype, length: int, name: str) -> Node:
     return Node("buffer", (), (("storage", storage), ("name", name)), dtype, (length,), None)
 
 
-def _trace(rule, dtypes_, scalars, outputs: int) -> _Traced:
-    key = (rule, dtypes_, None if scalars is None else scalars.shape, outputs)
+def _trace(rule, dtypes_, scalars, into: tuple) -> _Traced:
+    outputs = len(into)
+    key = (rule, dtypes_, None if scalars is None else scalars.shape, into)
     traced = _cache.get(key)
     if traced is not None:
         return traced
@@ -144,6 +145,9 @@ def _trace(rule, dtypes_, scalars, outputs: int) -> _Traced:
                 f"foreach: result {position} of {rule.__name__} has shape {list(result.shape)}; "
                 "a rule must be elementwise"
             )
+    # each result is stored in its list's dtype (the rule may compute wider, e.g. a bfloat16
+    # parameter times a float32 learning rate)
+    results = [result.to(dtypes_[target]) for result, target in zip(results, into)]
     graph = run_pipeline(Graph(tuple(result.node for result in results)))
     groups = graph.groups
     if len(groups) != 1 or groups[0].kind != "elementwise":

@@ -85,6 +85,27 @@ def test_optimizer_matches_torch_gpu(name, options, rng):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_adamw_on_bfloat16_parameters_matches_torch(rng):
+    shapes = [(CHUNK + 7,), (33, 65)]
+    init = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    grads = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    params = [fl.tensor(a).to(fl.bfloat16).realize().requires_grad_() for a in init]
+    opt = fl.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    tparams = [torch.tensor(a).bfloat16().requires_grad_() for a in init]
+    topt = torch.optim.AdamW(tparams, lr=0.05, weight_decay=0.1)
+    for _ in range(3):
+        for p, t, g in zip(params, tparams, grads):
+            p.grad = fl.tensor(g).to(fl.bfloat16)
+            t.grad = torch.tensor(g).bfloat16()
+        opt.step()
+        topt.step()
+    for p, t, a in zip(params, tparams, init):
+        assert p.dtype == fl.bfloat16
+        np.testing.assert_allclose(p.float().numpy(), t.float().detach().numpy(), atol=2e-2)
+        assert not np.allclose(p.float().numpy(), a, atol=1e-2)
+
+
 def test_param_groups_use_their_own_rates(rng, reference_backend):
     a = fl.tensor(np.ones(4, np.float32)).requires_grad_()
     b = fl.tensor(np.ones(4, np.float32)).requires_grad_()
@@ -213,9 +234,9 @@ def test_foreach_errors(reference_backend):
 
 def test_foreach_rule_must_be_elementwise(cuda_backend):
     with pytest.raises(ForeachError, match="must fuse into one elementwise kernel"):
-        _trace(lambda x: x - x.sum(), (fl.float32,), None, 1)
+        _trace(lambda x: x - x.sum(), (fl.float32,), None, (0,))
     with pytest.raises(ForeachError, match="must be a new value"):
-        _trace(lambda x, y: (x + y, x), (fl.float32, fl.float32), None, 2)
+        _trace(lambda x, y: (x + y, x), (fl.float32, fl.float32), None, (0, 1))
 
 
 def test_foreach_updates_in_place_on_reference(reference_backend):
@@ -272,29 +293,33 @@ def test_learning_rate_schedule_never_recompiles(rng, cuda_backend):
 
 
 RULES = [
-    (adam_rule, (fl.float32,) * 4, 9, 3),
-    (adam_rule, (fl.bfloat16,) * 4, 9, 3),
-    (adam_amsgrad_rule, (fl.float16,) * 5, 9, 4),
-    (sgd_rule, (fl.float32,) * 2, 6, 1),
-    (sgd_nesterov_rule, (fl.bfloat16, fl.bfloat16, fl.float32), 6, 2),
+    (adam_rule, (fl.float32,) * 4, 9, (0, 2, 3)),
+    (adam_rule, (fl.bfloat16,) * 4, 9, (0, 2, 3)),
+    (adam_amsgrad_rule, (fl.float16,) * 5, 9, (0, 2, 3, 4)),
+    (sgd_rule, (fl.float32,) * 2, 6, (0,)),
+    (sgd_nesterov_rule, (fl.bfloat16, fl.bfloat16, fl.float32), 6, (0, 2)),
 ]
 
 
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize(
-    "rule,dtypes,hyper,outputs", RULES, ids=lambda v: getattr(v, "__name__", "")
+    "rule,dtypes,hyper,into", RULES, ids=lambda v: getattr(v, "__name__", "")
 )
-def test_multi_tensor_kernels_compile(rule, dtypes, hyper, outputs, aligned, wide, nvrtc):
+def test_multi_tensor_kernels_compile(rule, dtypes, hyper, into, aligned, wide, nvrtc):
     from flame.runtime.compiler import nvrtc_compile
 
     with fl.backend("cuda"):
         scalars = fl.zeros(hyper)
-    traced = _trace(rule, dtypes, scalars, outputs)
+    traced = _trace(rule, dtypes, scalars, into)
     varying = {id(node) for node in traced.placeholders}
     low = lower_multi_tensor(traced.group, varying, aligned, wide)
     source = render(low.spec)
     assert ("FlameVec" in source.split("extern")[1]) == aligned
     assert ("typedef long long Index" in source) == wide
-    assert sum(kind == "out" for kind, _ in low.per_tensor) == outputs
+    assert sum(kind == "out" for kind, _ in low.per_tensor) == len(into)
+    # every output is stored in its list's own type (a float32 store into a bfloat16
+    # parameter would write past its end)
+    stored = [output.dtype for output in low.lowered.outputs]
+    assert sorted(d.name for d in stored) == sorted(dtypes[i].name for i in into)
     assert len(nvrtc_compile(source, low.spec.name, "sm_90")) > 0
