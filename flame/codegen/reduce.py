@@ -9,6 +9,11 @@ write) over a row in one kernel. Two layouts:
   and its threads stride along the row, then combine through warp shuffles;
 * ``thread``: the innermost axis is kept (e.g. a sum over the middle axis); a thread owns
   an outer index and walks the reduced axes, so a warp reads consecutive addresses.
+
+A block-mode group may also hold *strip* reductions (``flame/ir/passes/row_columns.py``):
+reductions over axis 1 of ``(P, S, *row)``, the rows cut into P strips of S rows. Then a block
+owns a strip, each thread keeps the partial results of its columns in registers over the
+strip's rows (accumulated in the last pass, with the row outputs) and writes them at the end.
 """
 
 from __future__ import annotations
@@ -45,25 +50,75 @@ from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
 
+COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
+
 
 def lower_reduce(group: Group, layout_of) -> Lowered:
     reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
-    shape, axes = reduces[0].inputs[0].shape, reduces[0].attr("axes")
+    rows, columns = _rows_and_strips(group, reduces)
+    shape, axes = rows[0].inputs[0].shape, rows[0].attr("axes")
     kept = tuple(1 if axis in axes else size for axis, size in enumerate(shape))
     reads, aliases = collect_reads(group, layout_of)
-    out_views = [_output_strides(node, shape, kept) for node in group.outputs]
-    stride_sets = [_space_view(read.view, shape, kept).strides for read in reads] + out_views
+    views = [_space_view(read.view, shape, kept) for read in reads]
+    reads, views, same = _same_reads(reads, views)
+    column_ids = {id(node) for node in columns}
+    outputs = [node for node in group.outputs if id(node) not in column_ids]
+    out_views = [_output_strides(node, shape, kept) for node in outputs]
+    stride_sets = [view.strides for view in views] + out_views
     space = Space(shape, axes, stride_sets)
     writer = _ReduceWriter(group, space, reads, aliases, shape, kept)
+    writer.same_reads, writer.columns = same, columns
+    writer.column_ids = column_ids
+    writer.column_shape = columns[0].inputs[0].shape if columns else None
+    writer.out_index = {
+        position: len(reads) + outputs.index(node)
+        for position, node in enumerate(group.outputs) if id(node) not in column_ids
+    }  # fmt: skip
     writer.index = index_type_for(prod(shape), reads)
     return writer.build(out_views)
 
 
+def _rows_and_strips(group, reduces):
+    """Row reductions (they define the space) and strip reductions of the group."""
+    keys = {(node.inputs[0].shape, node.attr("axes")) for node in reduces}
+    if len(keys) == 1:
+        return reduces, []
+    from flame.ir.passes.fuse import row_key
+    from flame.ir.passes.row_columns import column_reductions
+
+    mixed = column_reductions(group, row_key)
+    if mixed is None:
+        raise ValueError(f"reduce group with reductions of several shapes: {sorted(keys)}")
+    _, rows, columns = mixed
+    return rows, columns
+
+
+def _same_reads(reads, views):
+    """Reads of one buffer through one view over the space (``dy`` read by the rows and as
+    ``(P, S, C)`` by the strip sums) load once: the later ones become names of the first."""
+    kept, kept_views, same, first = [], [], {}, {}
+    for read, view in zip(reads, views):
+        key = (id(read.base), view, read.generated)
+        if key in first:
+            same[id(read.top)] = first[key]
+            continue
+        first[key] = read
+        kept.append(read)
+        kept_views.append(view)
+    return kept, kept_views, same
+
+
 def _space_view(view, shape, kept):
     """A read's view over the input space. A per-row value without its reduced axes
-    (``keepdim=False``) is first given them back, then broadcast over the rows."""
+    (``keepdim=False``) is first given them back, then broadcast over the rows; a value of
+    the strip space ``(P, S, *row)`` is reshaped back onto the rows."""
     if view.shape != shape and prod(view.shape) == prod(kept) and len(view.shape) != len(shape):
         view = reshape_view(view, kept)
+    elif view.shape != shape and prod(view.shape) == prod(shape) and len(view.shape) > 1:
+        flat = reshape_view(view, shape)
+        if flat is None:
+            raise ValueError(f"strip read {view} is not a view of the rows {shape}")
+        return flat
     return expand_view(view, shape)
 
 
@@ -86,15 +141,23 @@ class _ReduceWriter:
         self.passes: list[dict] = []
         self.index = "int"
         self.scalar_values: dict[int, str] = {}
+        self.same_reads: dict[int, Read] = {}
+        self.columns: list = []
+        self.column_ids: set[int] = set()
+        self.column_shape = None
+        self.out_index: dict[int, int] = {}
         self.level = self._levels()
 
     def _levels(self) -> dict[int, int]:
-        """How many reduction passes must finish before each value can be computed."""
+        """How many reduction passes must finish before each value can be computed (strip
+        reductions are no pass of their own: the last pass accumulates them)."""
         level: dict[int, int] = {}
+        rows = self.shape
         for node in self.group.nodes:
             needs = max([self._level_of(child, level) for child in node.inputs], default=0)
             kind = get_op(node.op).kind
-            level[id(node)] = needs + 1 if kind == "reduce" else needs
+            row_reduce = kind == "reduce" and node.inputs[0].shape == rows
+            level[id(node)] = needs + 1 if row_reduce else needs
         return level
 
     def _level_of(self, node, level) -> int:
@@ -102,12 +165,15 @@ class _ReduceWriter:
         return level.get(id(node), 0)
 
     def _is_row(self, node) -> bool:
-        return node.shape == self.shape and get_op(node.op).kind != "reduce"
+        shapes = (self.shape, self.column_shape)
+        return node.shape in shapes and get_op(node.op).kind != "reduce"
 
     def build(self, out_views) -> Lowered:
         self.params, buffers = buffer_params(self.group, self.reads)
         self.params.append(Arg("size", self.index, "num_outer", self.space.num_outer))
         self.params.append(Arg("size", self.index, "num_inner", self.space.num_inner))
+        if self.columns:
+            self.params.append(Arg("size", self.index, "strip_rows", self.column_shape[1]))
         self._outer_math(out_views)
         self.outer_lines.extend(self._scalar_statements(0))
         self._choose_layout()
@@ -125,6 +191,9 @@ class _ReduceWriter:
         space = self.space
         self.vector_reads, self.vector_outputs, self.items = {}, False, 0
         self.cached_reads: set[int] = set()
+        self.loop_items = 0
+        if self.columns and not space.block_mode:
+            raise ValueError("strip reductions need a row kernel (reduced innermost axis)")
         if not space.block_mode:
             self.lanes = THREAD_LANES if len(space.inner_sizes) == 1 else 1
             self.block = THREAD_BLOCK
@@ -144,10 +213,13 @@ class _ReduceWriter:
         ]  # fmt: skip
         self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
-        fits = items * self.lanes * len(row_reads) <= 96 and self.block <= 512
+        held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
+        fits = items * self.lanes * held <= 96 and self.block <= 512
         limit = MAX_CACHE_ITEMS * (2 if self.block == 512 else 1)
         if single and items <= limit and fits:
             self.items = items
+        # strip sums: every thread owns the same columns in every row of its strip
+        self.loop_items = items if self.columns else self.items
 
     def _vectorizable(self) -> bool:
         for position, read in enumerate(self.reads):
@@ -161,11 +233,10 @@ class _ReduceWriter:
                 if read.view.offset % VECTOR_LANES or any(s % VECTOR_LANES for s in outer):
                     return False
                 self.vector_reads[id(read)] = True
-        base = len(self.reads)
         for position, output in enumerate(self.group.outputs):
             if output.shape == self.shape:
-                inner = self.space.inner_strides[base + position][0]
-                outer = self.space.outer_strides[base + position]
+                inner = self.space.inner_strides[self.out_index[position]][0]
+                outer = self.space.outer_strides[self.out_index[position]]
                 if inner != 1 or any(s % VECTOR_LANES for s in outer):
                     self.vector_reads.clear()
                     self.vector_outputs = False
@@ -179,6 +250,8 @@ class _ReduceWriter:
         return name
 
     def _blocks(self) -> int:
+        if self.columns:
+            return self.column_shape[0]  # a block per strip
         if self.space.block_mode:
             return self.space.num_outer
         return -(-self.space.num_outer // 32)
@@ -220,17 +293,19 @@ class _ReduceWriter:
                 self._param("size", f"{read.param}_offset", read.view.offset)
                 offset += f" + {read.param}_offset"
             lines.append(f"const {self.index} {read.param}_outer = {offset};")
-        base = len(self.reads)
-        for position in range(len(self.group.outputs)):
-            strides = self.space.outer_strides[base + position]
+        for position, index in self.out_index.items():
+            strides = self.space.outer_strides[index]
             offset = self._linear(f"out{position}_o", strides, self.outer_index)
             lines.append(f"const {self.index} out{position}_outer = {offset};")
         for position, read in enumerate(self.reads):
             # constant along the row (a per-row value, or broadcast along the reduced axes):
             # loaded once per row, not once per element
             along_row = any(self.space.inner_strides[position])
-            if read.top.shape != self.shape or not along_row:
+            if read.top.shape not in (self.shape, self.column_shape) or not along_row:
                 self.scalar_values[id(read.top)] = self._scalar_read(read)
+        for top, read in self.same_reads.items():
+            if id(read.top) in self.scalar_values:
+                self.scalar_values[top] = self.scalar_values[id(read.top)]
 
     def _scalar_read(self, read: Read) -> str:
         name = f"s_{read.param}"
@@ -253,6 +328,9 @@ class _ReduceWriter:
             name = f"x_{read.param}"
             ctype = read.top.dtype.c_compute
             values[id(read.top)] = name
+            for top, same in self.same_reads.items():
+                if same is read:
+                    values[top] = name
             if cached and id(read) in self.cached_reads:
                 lane_lines.append(f"const {ctype} {name} = cache_{read.param}[item][k];")
                 continue
@@ -351,6 +429,7 @@ class _ReduceWriter:
         reduces = [
             n for n in self.group.nodes
             if get_op(n.op).kind == "reduce" and self.level[id(n)] == number
+            and id(n) not in self.column_ids
         ]  # fmt: skip
         init, chunk, lane, finish = [], [], [], []
         values: dict[int, str] = {}
@@ -392,22 +471,51 @@ class _ReduceWriter:
     def _final_pass(self, out_views) -> dict:
         rows = [o for o in self.group.outputs if o.shape == self.shape]
         chunk, lane, after, scalars = [], [], [], []
-        if rows:
+        self.column_lines: dict[str, list[str]] = {"declare": [], "store": []}
+        if rows or self.columns:
             values: dict[int, str] = {}
             self._lane_reads(chunk, lane, values, cached=self.items > 0)
-            self._row_statements(lane, rows, values)
+            targets = rows + [node.inputs[0] for node in self.columns]
+            self._row_statements(lane, targets, values)
             for position, output in enumerate(self.group.outputs):
                 if output.shape == self.shape:
                     self._row_store(position, output, values, chunk, lane, after)
+            for node in self.columns:
+                self._strip_sum(node, values, lane)
         for position, output in enumerate(self.group.outputs):
-            if output.shape != self.shape:
+            if output.shape != self.shape and id(output) not in self.column_ids:
                 value = store(output.dtype, self._value(output, {}))
                 scalars.append(f"out{position}[out{position}_outer] = {value};")
         return {"chunk": chunk, "lane": lane, "after": after, "scalars": scalars}
 
+    def _strip_sum(self, node, values, lane) -> None:
+        """A strip reduction: per-thread partial results of its columns, in registers over
+        the strip's rows, written as the strip's row of the (P, 1, *row) output."""
+        position = next(i for i, out in enumerate(self.group.outputs) if out is node)
+        op = get_op(node.op)
+        ctype, letter = _accumulator(node)
+        identity = op.cuda["identity"][letter]
+        self.helpers.need(op.helpers)
+        name = f"column{position}"
+        items, lanes = self.loop_items, self.lanes
+        self.column_lines["declare"].append(
+            f"{ctype} {name}[{items}][{lanes}];\n"
+            f"    #pragma unroll\n"
+            f"    for (int item = 0; item < {items}; ++item)\n"
+            f"        for (int k = 0; k < {lanes}; ++k) {name}[item][k] = {identity};"
+        )
+        value = self._value(node.inputs[0], values)
+        slot = f"{name}[item][k]"
+        lane.append(f"{slot} = {op.cuda['combine'].format(slot, f'({ctype}){value}')};")
+        stored = store(node.dtype, slot)
+        self.column_lines["store"].append(
+            f"for (int k = 0; k < {lanes}; ++k) "
+            f"out{position}[(Index)blockIdx.x * num_inner + chunk + k] = {stored};"
+        )
+
     def _row_store(self, position, output, values, chunk, lane, after):
         value = store(output.dtype, self._value(output, values))
-        strides = self.space.inner_strides[len(self.reads) + position]
+        strides = self.space.inner_strides[self.out_index[position]]
         if self.vector_outputs:
             vector = f"FlameVec<{output.dtype.c_storage}, {self.lanes}>"
             chunk.append(f"{vector} store_{position};")
@@ -451,6 +559,10 @@ class _ReduceWriter:
             "final_lane": tuple(self.final["lane"]),
             "final_after": tuple(self.final["after"]),
             "final_scalars": tuple(self.final["scalars"]),
+            "loop_items": self.loop_items,
+            "min_blocks": COLUMN_MIN_BLOCKS if self.columns else 0,
+            "column_declare": tuple(self.column_lines["declare"]),
+            "column_store": tuple(self.column_lines["store"]),
         }
         code = [(a.kind, a.ctype, a.name) for a in self.params]  # sizes are arguments, not code
         text = repr((self.index, self.block, code, extras, self.helpers.sources))

@@ -68,49 +68,32 @@ def reshape_view(view: View, shape) -> View | None:
         return View(shape, base.strides, view.offset)
     old = [(size, stride) for size, stride in zip(view.shape, view.strides) if size != 1]
     new = [size for size in shape if size != 1]
-    new_strides: list[int] = []
-    old_index = 0
-    for size in new:
-        # take old dims until their product reaches `size`: they must be contiguous
-        group = []
-        product = 1
-        while product < size and old_index < len(old):
-            group.append(old[old_index])
-            product *= old[old_index][0]
-            old_index += 1
-        if product != size:
-            return _split(old, old_index, new, new_strides, shape, view)
-        for (_, outer_stride), (inner, inner_stride) in zip(group, group[1:]):
+    # NumPy's no-copy reshape: match runs of old dims with runs of new dims of the same
+    # product ([4, 2048] -> [256, 32] merges then splits); each old run must be contiguous
+    # (a broadcast run of stride 0 is too), and its new dims get strides inside it.
+    new_strides = [0] * len(new)
+    old_start = new_start = 0
+    while old_start < len(old) and new_start < len(new):
+        old_end, new_end = old_start + 1, new_start + 1
+        old_product, new_product = old[old_start][0], new[new_start]
+        while old_product != new_product:
+            if new_product < old_product:
+                new_product *= new[new_end]
+                new_end += 1
+            else:
+                old_product *= old[old_end][0]
+                old_end += 1
+        for (_, outer_stride), (inner, inner_stride) in zip(
+            old[old_start : old_end - 1], old[old_start + 1 : old_end]
+        ):
             if outer_stride != inner * inner_stride:
                 return None
-        new_strides.append(group[-1][1])
+        stride = old[old_end - 1][1]
+        for axis in range(new_end - 1, new_start - 1, -1):
+            new_strides[axis] = stride
+            stride *= new[axis]
+        old_start, new_start = old_end, new_end
     return _with_unit_dims(shape, new_strides, view.offset)
-
-
-def _split(old, old_index, new, new_strides, shape, view):
-    """Splitting one old dim into several new ones (e.g. [12] -> [3, 4]): done as a general
-    pass below, kept apart so the common merge path above stays readable."""
-    strides: list[int] = []
-    new_index = 0
-    for size, stride in old:
-        # new dims whose product is this old dim get contiguous strides inside it
-        members = []
-        product = 1
-        while product < size and new_index < len(new):
-            members.append(new[new_index])
-            product *= new[new_index]
-            new_index += 1
-        if product != size:
-            return None
-        inner = stride
-        member_strides = []
-        for member in reversed(members):
-            member_strides.append(inner)
-            inner *= member
-        strides.extend(reversed(member_strides))
-    if new_index != len(new):
-        return None
-    return _with_unit_dims(shape, strides, view.offset)
 
 
 def _with_unit_dims(shape, strides_without_units, offset) -> View:

@@ -415,6 +415,10 @@ def fuse(graph: Graph) -> Graph:
             break
         except _Cycle as cycle:  # split the kernels on the cycle into one kernel per value
             groups = _split_cycle(graph, groups, cycle.members, materialized, reasons)
+    from flame.ir.passes.row_columns import attach_columns  # imports this module
+
+    # row kernels take over the column reductions of the rows they read (row_columns.py)
+    ordered = _order_groups(attach_columns(graph, ordered, materialized), materialized)
     return Graph(graph.outputs, graph.name, tuple(ordered))
 
 

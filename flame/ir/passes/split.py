@@ -7,6 +7,11 @@ least ``MANY_INPUTS`` elements per output reduces ``PARTS`` chunks of each row f
 the partial results: two kernels, the first one with ``PARTS`` times more parallelism. The
 same holds for reductions over leading axes (column sums) with few outputs.
 Sums, products, maxima and minima are associative, so only float rounding changes.
+
+A column reduction over rows that a row reduction of the same graph also reads (layer norm's
+``dw = (dy * x_hat).sum(0)`` next to its row statistics) is cut into about ``ROW_STRIPS``
+strips of whole rows instead: the fusion pass can then let the row kernel accumulate each
+strip's column sums in registers while it has the rows (see ``row_columns.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ def _parts(count: int) -> int:
     return parts
 
 
-def _split(node: Node) -> Node | None:
+def _split(node: Node, rows=None) -> Node | None:
     if get_op(node.op).kind != "reduce":
         return None
     source = node.inputs[0]
     axes = node.attr("axes")
     rank = len(source.shape)
     if axes and axes == tuple(range(len(axes))) and len(axes) < rank:
-        return _split_leading(node, source, axes)
+        return _split_leading(node, source, axes, (rows or {}).get((source.shape, len(axes)), 0))
     if not axes or axes != tuple(range(rank - len(axes), rank)):
         return None  # trailing or leading axes only: contiguous work to cut in pieces
     kept = source.shape[: rank - len(axes)]
@@ -54,24 +59,65 @@ def _split(node: Node) -> Node | None:
 
 
 def split_reductions(graph: Graph) -> Graph:
+    rows = _row_reductions(graph)
+
     def visit(node: Node) -> Node:
-        return _split(node) or node
+        return _split(node, rows) or node
 
     return rewrite(graph, visit)
 
 
+def _row_reductions(graph: Graph) -> dict[tuple, int]:
+    """For every (input shape, leading rank) of a reduction over trailing axes (rows): how
+    many reductions over the leading axes of that shape (columns) the graph has."""
+    rows, columns = set(), {}
+    for node in graph.nodes:
+        if get_op(node.op).kind != "reduce":
+            continue
+        rank, axes = len(node.inputs[0].shape), node.attr("axes")
+        if axes and 0 < axes[0] and axes == tuple(range(axes[0], rank)):
+            rows.add((node.inputs[0].shape, axes[0]))
+        elif axes and axes == tuple(range(len(axes))) and len(axes) < rank:
+            key = (node.inputs[0].shape, len(axes))
+            columns[key] = columns.get(key, 0) + 1
+    return {key: count for key, count in columns.items() if key in rows}
+
+
 COLUMN_OUTPUTS = 1 << 15  # a column reduction with fewer outputs than this is split
+# Row kernels that also reduce columns: one block per strip of rows, each thread keeping its
+# columns' partial results in registers. 256 strips keep two 512-thread blocks on each of the
+# H100's 132 SMs; the partial results take ROW_STRIPS x row length values per reduction.
+ROW_STRIPS = 256
+MIN_STRIP_ROWS = 8
+# column values (row length x column reductions) a row kernel keeps in registers; longer
+# rows leave their column reductions to a kernel of their own (flame/ir/passes/row_columns.py)
+ROW_COLUMN_VALUES = 8192
 
 
-def _split_leading(node: Node, source: Node, axes) -> Node | None:
+def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None:
     """Sums over leading axes (``dw = (dy * x_hat).sum(0)``): each thread of the column kernel
     owns an output, so few outputs mean few threads. Cut the reduced rows into ``parts``
-    blocks of rows, reduce each, then reduce the partial results."""
+    blocks of rows, reduce each, then reduce the partial results. ``beside_rows``: how many
+    such column reductions a graph that also reduces these rows has; when a row kernel can
+    keep all their columns in registers, cut the rows into strips it can take over."""
     lead = prod(source.shape[: len(axes)])
     rest = source.shape[len(axes) :]
     outputs = prod(rest)
     if outputs >= COLUMN_OUTPUTS or lead < 4096:
         return None
+    fits = beside_rows and outputs * beside_rows <= ROW_COLUMN_VALUES
+    parts = _strips(lead) if fits else None
+    if parts is None:
+        parts = _column_parts(lead, outputs)
+    if parts == 1:
+        return None
+    pieces = make_node("reshape", (source,), {"shape": (parts, lead // parts) + rest}, node.site)
+    partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
+    total = make_node(node.op, (partial,), {"axes": (0,)}, node.site)
+    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+
+
+def _column_parts(lead: int, outputs: int) -> int:
     parts = 1
     while (
         outputs * parts < 4 * COLUMN_OUTPUTS
@@ -79,9 +125,17 @@ def _split_leading(node: Node, source: Node, axes) -> Node | None:
         and lead // (parts * 2) >= 64
     ):
         parts *= 2
-    if parts == 1:
-        return None
-    pieces = make_node("reshape", (source,), {"shape": (parts, lead // parts) + rest}, node.site)
-    partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
-    total = make_node(node.op, (partial,), {"axes": (0,)}, node.site)
-    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+    return parts
+
+
+def _strips(lead: int) -> int | None:
+    """The number of equal strips of rows nearest ``ROW_STRIPS`` (by ratio), each of at least
+    ``MIN_STRIP_ROWS`` rows; None when ``lead`` has no such divisor (a prime, say)."""
+    best, best_ratio = None, 0.0
+    for parts in range(ROW_STRIPS // 4, ROW_STRIPS * 4 + 1):
+        if lead % parts or lead // parts < MIN_STRIP_ROWS:
+            continue
+        ratio = max(parts, ROW_STRIPS) / min(parts, ROW_STRIPS)
+        if best is None or ratio < best_ratio:
+            best, best_ratio = parts, ratio
+    return best

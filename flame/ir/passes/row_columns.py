@@ -1,0 +1,227 @@
+"""Row kernels that also reduce columns.
+
+Layer norm's backward reduces the same rows two ways: per row (the statistics, ``dx``) and per
+column over the rows (``dw = (dy * x_hat).sum(0)``, ``db = dy.sum(0)``). The split pass cuts
+such a column reduction into strips of whole rows (``split.py``: ``reduce(reshape(v, (P, S,
+*rest)), axes=(1,))``, then a small sum over the P partial results). Here a reduce group made
+only of such strip reductions joins the row kernel that reads the same rows: the row kernel
+then runs one block per strip, each thread keeps the partial results of its own columns in
+registers while it walks the strip's rows, and writes one partial row per strip at the end.
+The rows are read once instead of once per kernel.
+
+The join happens when (all checked, else the groups stay apart):
+
+* the column group only reduces axis 1 of ``(P, S, *rest)`` with ``P * S`` rows of the row
+  kernel and ``rest`` its row length, and computes nothing after its reductions;
+* every value it reads maps onto the row space (a buffer through a reshapable view, or a
+  value of the row kernel seen as itself or as a per-row value broadcast over its row);
+* the row kernel reads nothing the column group writes, and no kernel between them makes
+  the merge a cycle;
+* row length x column reductions stays within ``ROW_COLUMN_VALUES`` (registers).
+
+Per-row values the row kernel wrote only for the column kernel (the row statistics) are no
+longer written once nothing else reads them.
+"""
+
+from __future__ import annotations
+
+import graphlib
+
+from flame.ir.graph import Group, is_input
+from flame.ir.node import Node
+from flame.ir.ops import get_op
+from flame.ir.passes.split import ROW_COLUMN_VALUES
+from flame.ir.shapes import prod
+from flame.ir.views import MOVEMENT_OPS, View, reshape_view, resolve, storage_view
+
+
+def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
+    from flame.ir.passes.fuse import row_key
+
+    position = {id(node): index for index, node in enumerate(graph.nodes)}
+    graph_outputs = {id(node) for node in graph.outputs}
+    groups = list(groups)
+    merged_any = True
+    while merged_any:
+        merged_any = False
+        for column in groups:
+            reduces = _strip_reductions(column, row_key)
+            if reduces is None:
+                continue
+            for row in groups:
+                if row is column or row.kind != "reduce":
+                    continue
+                merged = _merge(row, column, reduces, materialized, position, row_key)
+                if merged is None:
+                    continue
+                candidate = [merged if g is row else g for g in groups if g is not column]
+                if not _acyclic(candidate, materialized):
+                    continue
+                index = candidate.index(merged)
+                candidate[index] = _prune(merged, candidate, graph_outputs, row_key)
+                groups, merged_any = candidate, True
+                break
+            if merged_any:
+                break
+    return groups
+
+
+def column_reductions(group: Group, key_of) -> tuple[tuple, list[Node], list[Node]] | None:
+    """``(row key, row reductions, strip reductions)`` of a reduce group that mixes both
+    kinds; None for a group of one key."""
+    reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
+    keys = {key_of(node) for node in reduces}
+    if len(keys) < 2:
+        return None
+    rows = [key for key in keys if _is_row_key(key)]
+    if len(rows) != 1:
+        return None
+    key = rows[0]
+    return (
+        key,
+        [node for node in reduces if key_of(node) == key],
+        [node for node in reduces if key_of(node) != key],
+    )
+
+
+def _is_row_key(key) -> bool:
+    shape, axes = key
+    return bool(axes) and 0 < axes[0] and axes == tuple(range(axes[0], len(shape)))
+
+
+def _strip_reductions(group: Group, key_of) -> list[Node] | None:
+    """The reductions of a group that only reduces axis 1 of ``(P, S, *rest)`` and computes
+    nothing after them; None for any other group."""
+    if group.kind != "reduce":
+        return None
+    reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
+    keys = {key_of(node) for node in reduces}
+    if len(keys) != 1:
+        return None
+    shape, axes = next(iter(keys))
+    if axes != (1,) or len(shape) < 3 or shape[0] < 2:
+        return None
+    for node in group.nodes:
+        kind = get_op(node.op).kind
+        if kind == "elementwise" and node.shape != shape:
+            return None  # an epilogue after the strip sums
+        if kind not in ("elementwise", "reduce", "movement") and node.op != "const":
+            return None  # generated leaves (random numbers) follow the column space's index
+    if any(get_op(node.op).kind != "reduce" for node in group.outputs):
+        return None
+    return reduces
+
+
+def _base_view(node: Node) -> View:
+    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
+
+
+def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
+    from flame.ir.passes.fuse import _row_view_fits, scalar_shapes
+
+    mixed = column_reductions(row, key_of)
+    if mixed is not None:
+        key, _, existing = mixed
+    else:
+        keys = {key_of(node) for node in row.nodes if get_op(node.op).kind == "reduce"}
+        if len(keys) != 1 or not _is_row_key(next(iter(keys))):
+            return None
+        key, existing = next(iter(keys)), []
+    shape, axes = key
+    strip_shape = key_of(reduces[0])[0]
+    if existing and key_of(existing[0])[0] != strip_shape:
+        return None  # one strip layout per kernel
+    length = prod(shape[axes[0] :])
+    if prod(strip_shape[:2]) != prod(shape[: axes[0]]) or prod(strip_shape[2:]) != length:
+        return None
+    if length * (len(existing) + len(reduces)) > ROW_COLUMN_VALUES:
+        return None
+    row_ids = {id(node) for node in row.nodes}
+    column_ids = {id(node) for node in column.nodes}
+    written = {id(node) for node in column.outputs}
+    if any(id(child) in written for node in row.nodes for child in node.inputs):
+        return None
+    row_bases = _read_bases(row, row_ids)
+    shares = False
+    for node in column.nodes:
+        if node.op in MOVEMENT_OPS:
+            continue
+        for child in node.inputs:
+            if id(child) in column_ids and child.op not in MOVEMENT_OPS:
+                continue  # computed by the column group itself
+            resolved = resolve(child, _base_view, lambda m: id(m) in column_ids)
+            if resolved is None:
+                return None
+            base, view = resolved
+            if id(base) in column_ids:
+                if base.op == "const":
+                    continue
+                return None  # a value of the column group seen through a view
+            flat = reshape_view(view, shape) if view.shape != shape else view
+            if flat is None:
+                return None
+            if id(base) in row_ids:  # becomes a value of the kernel itself
+                per_row = base.shape in scalar_shapes(key) and _row_view_fits(flat, key)
+                whole = base.shape == shape and flat == View.contiguous(shape)
+                if not (per_row or whole):
+                    return None
+                shares = True
+            elif id(base) in row_bases:
+                shares = True
+    if not shares:
+        return None  # nothing read twice: joining would save nothing
+    nodes = {id(node): node for node in row.nodes + column.nodes}
+    ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
+    return Group(
+        "reduce", tuple(ordered), row.outputs + column.outputs, row.reasons + column.reasons
+    )
+
+
+def _read_bases(group: Group, member_ids) -> set[int]:
+    bases = set()
+    for node in group.nodes:
+        if node.op in MOVEMENT_OPS:
+            continue
+        for child in node.inputs:
+            if id(child) in member_ids and child.op not in MOVEMENT_OPS:
+                continue
+            resolved = resolve(child, _base_view, lambda m: id(m) in member_ids)
+            if resolved is not None:
+                bases.add(id(resolved[0]))
+    return bases
+
+
+def _prune(group: Group, groups, graph_outputs, key_of) -> Group:
+    """Drop the per-row values the kernel wrote only for kernels it has now absorbed."""
+    from flame.ir.passes.fuse import scalar_shapes
+
+    key = column_reductions(group, key_of)[0]
+    read_elsewhere = {
+        id(child)
+        for other in groups if other is not group
+        for node in other.nodes for child in node.inputs
+    }  # fmt: skip
+    kept, reasons = [], []
+    for output, reason in zip(group.outputs, group.reasons):
+        unused = id(output) not in graph_outputs and id(output) not in read_elsewhere
+        if unused and output.shape in scalar_shapes(key):
+            continue
+        kept.append(output)
+        reasons.append(reason)
+    return Group(group.kind, group.nodes, tuple(kept), tuple(reasons))
+
+
+def _acyclic(groups: list[Group], materialized) -> bool:
+    producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
+    sorter = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
+    for index, group in enumerate(groups):
+        for node in group.nodes:
+            for child in node.inputs:
+                source = producer.get(id(child))
+                if source is not None and source != index and id(child) in materialized:
+                    sorter.add(index, source)
+    try:
+        sorter.prepare()
+    except graphlib.CycleError:
+        return False
+    return True

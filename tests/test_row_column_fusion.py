@@ -1,0 +1,177 @@
+"""Row kernels that also reduce columns (flame/ir/passes/row_columns.py): layer norm's forward
+and backward read x and dy once; the row kernel accumulates dw and db over strips of rows in
+registers and a small kernel sums the strips. CPU tier: the plan's shape and NVRTC compiles
+every kernel; gpu tier: values against the float64 reference interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flame as fl
+from flame.codegen.lower import lower_group
+from flame.codegen.render import render
+from flame.ir.graph import Graph
+from flame.ir.ops import get_op
+from flame.ir.passes import run_pipeline
+from flame.ir.passes.split import ROW_COLUMN_VALUES, _strips
+from flame.runtime.compiler import nvrtc_compile
+from flame.runtime.executor import _layout_of
+from flame.runtime.reference import evaluate
+
+F = fl.nn.functional
+DTYPES = {"float32": fl.float32, "float16": fl.float16, "bfloat16": fl.bfloat16}
+
+
+def _layer_norm_fwd_bwd(rng, shape, dtype="float32"):
+    """Tensors (y, dx, dw, db) of layer norm over the last axis and the gradients of
+    sum(y * dy); built lazily, nothing runs."""
+    cols = shape[-1]
+    x = fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(DTYPES[dtype])
+    w = fl.tensor((1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)).to(DTYPES[dtype])
+    b = fl.tensor(rng.standard_normal(cols).astype(np.float32)).to(DTYPES[dtype])
+    dy = fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(DTYPES[dtype])
+    kept = {}
+
+    def objective(x, w, b):
+        kept["y"] = F.layer_norm(x, (cols,), w, b, eps=1e-5)
+        return fl.sum(kept["y"].to(fl.float32) * dy.to(fl.float32))
+
+    _, grads = fl.value_and_grad(objective, argnums=(0, 1, 2))(x, w, b)
+    return (kept["y"], *grads)
+
+
+def _softmax_and_column_sum(rng, shape):
+    """Not layer norm: a softmax over rows and a column sum of the same rows times g."""
+    x = fl.tensor(rng.standard_normal(shape).astype(np.float32))
+    g = fl.tensor(rng.standard_normal(shape).astype(np.float32))
+    return F.softmax(x, -1), (x * g).sum(0)
+
+
+def _many_rows_streamed(rng, shape):
+    """Six row inputs: too many to cache the row in registers, so the rows stream while the
+    strip sums stay in registers."""
+    a, b, c, d, e, f = (fl.tensor(rng.standard_normal(shape).astype(np.float32)) for _ in "abcdef")
+    total = (a * b + c * d + e * f).sum(-1, keepdim=True)
+    return a - total * b + c * d - e * f, (a * f).sum(0)
+
+
+def _plan(outputs):
+    return run_pipeline(Graph(tuple(t.node for t in outputs)), verify_each=True)
+
+
+def _kinds(group):
+    shapes = {node.inputs[0].shape for node in group.nodes if get_op(node.op).kind == "reduce"}
+    return len(shapes)
+
+
+def test_strips_divide_the_rows():
+    assert _strips(16384) == 256
+    assert _strips(4097) == 241  # 17 x 241: odd strips of 17 rows
+    assert _strips(16381) is None  # a prime: the column kernel keeps its own split
+
+
+def test_layer_norm_fwd_bwd_is_one_row_kernel_and_a_strip_sum(cuda_backend, rng):
+    y, dx, dw, db = _layer_norm_fwd_bwd(rng, (16384, 4096))
+    graph = _plan((y, dx, dw, db))
+    assert len(graph.groups) == 2, [g.outputs for g in graph.groups]
+    rows, sums = graph.groups
+    assert _kinds(rows) == 2  # row statistics and strip sums in one kernel
+    # y, dx and one partial row per strip for dw and db: no row statistics written
+    assert [o.shape for o in rows.outputs] == [(16384, 4096)] * 2 + [(256, 1, 4096)] * 2
+    assert [o.shape for o in sums.outputs] == [(4096,), (4096,)]
+    spec = lower_group(rows, _layout_of).spec
+    assert spec.extras["column_declare"] and spec.extras["min_blocks"] == 2
+    assert lower_group(rows, _layout_of).grid_items == 256
+    # x and dy are each one kernel parameter: the strip sums read the row kernel's loads
+    assert sum(arg.kind == "in" for arg in spec.params) == 4  # x, w, b, dy
+
+
+def test_three_d_layer_norm_joins_too(cuda_backend, rng):
+    graph = _plan(_layer_norm_fwd_bwd(rng, (4, 2048, 512)))
+    assert len(graph.groups) == 2
+    assert _kinds(graph.groups[0]) == 2
+
+
+def test_softmax_and_a_column_sum_of_its_rows_share_a_kernel(cuda_backend, rng):
+    graph = _plan(_softmax_and_column_sum(rng, (8192, 256)))
+    assert len(graph.groups) == 2
+    assert _kinds(graph.groups[0]) == 2
+
+
+def test_long_rows_keep_a_column_kernel(cuda_backend, rng):
+    """Rows longer than the registers hold (x two column sums): three kernels as before."""
+    cols = ROW_COLUMN_VALUES
+    graph = _plan(_layer_norm_fwd_bwd(rng, (4096, cols)))
+    assert len(graph.groups) == 3
+    assert all(_kinds(group) == 1 for group in graph.groups)
+
+
+def test_few_rows_are_not_split(cuda_backend, rng):
+    graph = _plan(_layer_norm_fwd_bwd(rng, (64, 256)))
+    assert all(_kinds(group) == 1 for group in graph.groups)
+
+
+BUILDS = [
+    ("ln_16384x4096", lambda rng: _layer_norm_fwd_bwd(rng, (16384, 4096))),
+    ("ln_odd_4097x96", lambda rng: _layer_norm_fwd_bwd(rng, (4097, 96))),
+    ("ln_unaligned_4096x1003", lambda rng: _layer_norm_fwd_bwd(rng, (4096, 1003))),
+    ("ln_3d", lambda rng: _layer_norm_fwd_bwd(rng, (4, 2048, 512))),
+    ("ln_bf16", lambda rng: _layer_norm_fwd_bwd(rng, (4096, 768), "bfloat16")),
+    ("ln_fp16", lambda rng: _layer_norm_fwd_bwd(rng, (8192, 512), "float16")),
+    ("ln_long_rows", lambda rng: _layer_norm_fwd_bwd(rng, (4096, 2 * ROW_COLUMN_VALUES))),
+    ("softmax_colsum", lambda rng: _softmax_and_column_sum(rng, (8192, 256))),
+    ("streamed_rows", lambda rng: _many_rows_streamed(rng, (4096, ROW_COLUMN_VALUES))),
+]
+
+
+@pytest.mark.parametrize("name,build", BUILDS, ids=[b[0] for b in BUILDS])
+def test_kernels_compile_with_nvrtc(name, build, cuda_backend, rng, nvrtc):
+    graph = _plan(build(rng))
+    for group in graph.groups:
+        if group.kind == "library":
+            continue
+        spec = lower_group(group, _layout_of).spec
+        assert nvrtc_compile(render(spec), spec.name, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_streamed_rows_still_join(cuda_backend, rng):
+    graph = _plan(_many_rows_streamed(rng, (4096, ROW_COLUMN_VALUES)))
+    assert len(graph.groups) == 2
+    spec = lower_group(graph.groups[0], _layout_of).spec
+    assert spec.extras["cache_items"] == 0 and spec.extras["loop_items"] > 0
+
+
+# --- gpu tier: values ---------------------------------------------------------------------
+
+TOLERANCE = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+def _relative_error(result, expected):
+    result, expected = np.asarray(result, np.float64), np.asarray(expected, np.float64)
+    return np.linalg.norm(result - expected) / max(np.linalg.norm(expected), 1e-30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,build", BUILDS, ids=[b[0] for b in BUILDS])
+def test_gpu_values_match_the_reference(name, build, rng):
+    outputs = build(rng)
+    expected = evaluate([t.node for t in outputs], precision=np.float64, realized=False)
+    fl.realize(*outputs)
+    dtype = "bfloat16" if "bf16" in name else "float16" if "fp16" in name else "float32"
+    for tensor, reference in zip(outputs, expected):
+        result = tensor.to(fl.float32).numpy()
+        assert np.isfinite(result).all()
+        assert _relative_error(result, reference) < TOLERANCE[dtype], name
+
+
+@pytest.mark.gpu
+def test_gpu_strip_sums_are_deterministic():
+    """No atomics: the same inputs give the same bits on every run."""
+    runs = []
+    for _ in range(2):
+        outputs = _layer_norm_fwd_bwd(np.random.default_rng(7), (8192, 1024))
+        fl.realize(*outputs)
+        runs.append([t.numpy() for t in outputs])
+    for first, second in zip(*runs):
+        np.testing.assert_array_equal(first, second)
