@@ -210,4 +210,5 @@ def test_flame_check_finds_a_planted_wrong_kernel(tmp_path, planted):
         [sys.executable, str(tmp_path / "repro" / "repro.py")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert rerun.returncode == 1 and "FAIL output 0" in rerun.stdout, rerun.stdout + rerun.stderr
+    # the repro reruns just that kernel and fails the same way (one of its outputs is wrong)
+    assert rerun.returncode == 1 and "FAIL output" in rerun.stdout, rerun.stdout + rerun.stderr

@@ -291,3 +291,19 @@ def test_kernel_miss_reason_names_what_changed_in_the_code(cuda_backend):
     assert half_reason.startswith(f"new code: same operations as {wide.name} (graph 1), but")
     assert "parameters unsigned short* out0" in half_reason  # f16 data, as 16-bit words
     assert "vec 4 -> 1" in spec_difference(ragged, earlier)
+
+
+def test_profile_table_sorts_slowest_first_with_percent_of_floor(reference_backend, nvrtc):
+    from flame.tools.dumpfiles import profile_lines
+
+    recorder = DumpRecorder(bandwidth=1e12)  # 1 TB/s: 4 MB moves in 4 us
+    x = fl.from_numpy(np.ones((1024, 512), np.float32))
+    with events.recording(recorder):
+        fl.realize(x.exp(), x.sum(-1))
+    fast, slow = recorder.graphs[0].kernels  # measured times, as a GPU run would add them
+    fast.times_ms, slow.times_ms = [0.010, 0.004], [0.100, 0.050, 0.060]
+    rows = profile_lines(recorder, limit=None)[2:]
+    assert [slow.name in rows[0], fast.name in rows[1]] == [True, True]
+    floor_us = fast.bytes_moved / 1e12 * 1e6
+    assert fast.bytes_moved == 2 * 1024 * 512 * 4 and f"{floor_us:.2f}" in rows[1]
+    assert f"{100 * floor_us / 7.0:.0f}%" in rows[1]  # against the median, 7 us

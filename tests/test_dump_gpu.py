@@ -29,7 +29,7 @@ for step in range(3):  # the same graph three times: one plan, two plan-cache hi
     z = (fl.gelu(y) * 2.0).realize()
 wide = fl.from_numpy(np.ones((1024, 1024), dtype))
 (fl.gelu(F.layer_norm(wide, (1024,))) * 2.0).realize()  # new sizes: new plan, same kernels
-print(float(z.float().sum().item()))
+print(float(z.numpy().astype("float64").sum()))
 """
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 from pathlib import Path
 
 from flame.tools.recorder import DumpRecorder, GraphRecord, KernelRecord, kernel_floor_ms
@@ -138,10 +139,11 @@ def kernel_notes(kernel: KernelRecord, record: GraphRecord, bandwidth: float) ->
         f"cache: {kernel.cache} ({kernel.cache_reason})",
     ]  # fmt: skip
     if kernel.times_ms:
-        best = min(kernel.times_ms)
+        median = statistics.median(kernel.times_ms)
         lines.append(
-            f"gpu time: best {best * 1e3:.3f} us over {len(kernel.times_ms)} runs, "
-            f"{100 * floor / best:.0f}% of the floor"
+            f"gpu time: median {median * 1e3:.3f} us, best {min(kernel.times_ms) * 1e3:.3f} us "
+            f"over {len(kernel.times_ms)} runs; the median is {100 * floor / median:.0f}% of "
+            "the floor"
         )
     return lines
 
@@ -279,13 +281,16 @@ def profile_lines(recorder: DumpRecorder, limit: int | None) -> list[str]:
     if not rows:
         return []
     rows.sort(key=lambda row: -row[0])
-    lines = ["", "   total ms   calls   mean us  floor us  % floor  kernel  (graph, user line)"]
+    lines = [
+        "",
+        "   total ms   calls median us  floor us  % floor  kernel  (graph, user line)",
+    ]
     for total, kernel, record in rows[:limit]:
-        mean = total / len(kernel.times_ms)
+        median = statistics.median(kernel.times_ms)  # the first, cold launches skew a mean
         floor = kernel_floor_ms(kernel, recorder.bandwidth)
-        site = kernel.sites[-1] if kernel.sites else "-"
+        where = f"g{record.index} k{kernel.index}, {kernel.sites[-1] if kernel.sites else '-'}"
         lines.append(
-            f"{total:11.3f} {len(kernel.times_ms):7d} {mean * 1e3:9.2f} {floor * 1e3:9.2f} "
-            f"{100 * floor / mean:7.0f}%  {kernel.name}  (g{record.index} k{kernel.index}, {site})"
+            f"{total:11.3f} {len(kernel.times_ms):7d} {median * 1e3:9.2f} {floor * 1e3:9.2f} "
+            f"{100 * floor / median:7.0f}%  {kernel.name}  ({where})"
         )
     return lines
