@@ -53,24 +53,32 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
     if count == 0:
         return
     backend = lists[0][0].backend
-    pending = [t for column in lists for t in column if not t.is_realized]
+    pending = [
+        t for column in lists for t in column if t.node.buffer is None and t.node.op != "buffer"
+    ]  # fmt: skip
     if scalars is not None and not scalars.is_realized:
         pending.append(scalars)
     if pending:
         realize(*pending)
     if backend == "reference":
         return _foreach_reference(rule, lists, scalars, into)
-    by_dtypes: dict[tuple, list[int]] = {}
-    for index in range(count):
-        by_dtypes.setdefault(tuple(column[index].dtype for column in lists), []).append(index)
+    column_dtypes = [{t.node.dtype for t in column} for column in lists]
+    if all(len(kinds) == 1 for kinds in column_dtypes):  # the usual case: one kernel
+        by_dtypes = {tuple(next(iter(kinds)) for kinds in column_dtypes): None}
+    else:
+        by_dtypes = {}
+        for index in range(count):
+            key = tuple(column[index].dtype for column in lists)
+            by_dtypes.setdefault(key, []).append(index)
     for dtypes_, indices in by_dtypes.items():
         traced = _trace(rule, dtypes_, scalars, tuple(into))
         kernel = _kernel(traced)
-        arrays = [[_array(column[index]) for index in indices] for column in lists]
+        columns = lists if indices is None else [[c[i] for i in indices] for c in lists]
+        storages = [[_storage(t) for t in column] for column in columns]
         shared = {}
         if traced.shared_node is not None:
             shared[id(traced.shared_node)] = _array(scalars)
-        kernel.launch(arrays, [into[result] for result in traced.order], shared)
+        kernel.launch(storages, [into[result] for result in traced.order], shared)
 
 
 def _check(rule, lists, into):

@@ -28,6 +28,8 @@ def scalars(values, like: Tensor) -> Tensor:
 
 def grad_of(param: Tensor) -> Tensor:
     grad = param.grad
+    if grad.node.shape == param.node.shape and grad.node.dtype is param.node.dtype:
+        return grad
     if grad.shape != param.shape:
         raise ValueError(
             f"optimizer: a gradient of shape {list(grad.shape)} for a parameter of shape "

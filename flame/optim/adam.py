@@ -58,20 +58,21 @@ class Adam(Optimizer):
 
     def _update(self, group, params):
         by_step: dict[int, list] = {}
+        amsgrad = group["amsgrad"]
         for param in params:
             state = self.state.setdefault(param)
             if not state:
                 state["step"] = 0.0
                 state["exp_avg"] = zeros_state(param)
                 state["exp_avg_sq"] = zeros_state(param)
-                if group["amsgrad"]:
+                if amsgrad:
                     state["max_exp_avg_sq"] = zeros_state(param)
-            state["step"] += 1
-            by_step.setdefault(int(state["step"]), []).append(param)
+            step = state["step"] = state["step"] + 1
+            by_step.setdefault(int(step), []).append((param, state))
         for step, members in by_step.items():
             self._apply(group, members, step)
 
-    def _apply(self, group, params, step):
+    def _apply(self, group, members, step):
         lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
         values = [0.0] * 9
         values[_LR], values[_BETA1], values[_BETA2], values[_EPS] = lr, beta1, beta2, group["eps"]
@@ -80,8 +81,9 @@ class Adam(Optimizer):
         values[_STEP_SIZE] = lr / (1.0 - beta1**step)
         values[_BC2_SQRT] = math.sqrt(1.0 - beta2**step)
         values[_SIGN] = -1.0 if group["maximize"] else 1.0
+        params = [param for param, _ in members]
+        states = [state for _, state in members]
         h = scalars(values, params[0])
-        states = [self.state[p] for p in params]
         lists = [params, [grad_of(p) for p in params]]
         lists += [[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
         if group["amsgrad"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import numpy as np
 
@@ -28,6 +29,7 @@ class MultiTensorKernel:
         self.executor = executor
         self._variants: dict[tuple, tuple] = {}
         self._chunks: dict[tuple, object] = {}
+        self._columns: dict[int, tuple] = {}  # list position -> its last storages' addresses
         self._lock = threading.Lock()
 
     def variant(self, aligned: bool, wide: bool):
@@ -57,18 +59,45 @@ class MultiTensorKernel:
                 self._chunks[lengths] = table
         return table
 
-    def launch(self, arrays: list[list], outputs_into: list[int], shared: dict) -> None:
-        """``arrays[list][tensor]``: CuPy arrays (contiguous; written in place for the lists
-        named in ``outputs_into``, one per group output); ``shared``: id(node) -> array for
-        the operands every tensor reads."""
+    def _addresses(self, position: int, storages: list) -> tuple[list, list, bool]:
+        """A column's addresses, lengths and alignment. Parameters and optimizer state are
+        the same storages step after step (updated in place): their column is remembered
+        (by weak reference, so it keeps nothing alive) and only gradients are looked up."""
+        cached = self._columns.get(position)
+        if cached is not None and len(cached[0]) == len(storages):
+            refs = cached[0]
+            if all(ref() is storage for ref, storage in zip(refs, storages)):
+                return cached[1], cached[2], cached[3]
+        addresses, lengths = [], []
+        for storage in storages:
+            array = storage.array if storage.array is not None else storage.device_array()
+            if not array._c_contiguous:
+                raise ValueError(
+                    f"foreach: a tensor of shape {list(array.shape)} is not contiguous"
+                )
+            addresses.append(array.data.ptr)
+            lengths.append(array.size)
+        aligned = all(address % 16 == 0 for address in addresses)
+        refs = [weakref.ref(storage) for storage in storages]
+        self._columns[position] = (refs, addresses, lengths, aligned)
+        return addresses, lengths, aligned
+
+    def launch(self, storages: list[list], outputs_into: list[int], shared: dict) -> None:
+        """``storages[list][tensor]``: CUDA storages (contiguous; written in place for the
+        lists named in ``outputs_into``, one per group output); ``shared``: id(node) -> array
+        for the operands every tensor reads."""
         import cupy
 
-        count = len(arrays[0])
+        count = len(storages[0])
         if count == 0:
             return
-        lengths = tuple(int(array.size) for array in arrays[0])
-        addresses = [[array.data.ptr for array in column] for column in arrays]
-        aligned = all(address % 16 == 0 for column in addresses for address in column)
+        columns = [self._addresses(i, column) for i, column in enumerate(storages)]
+        addresses = [column[0] for column in columns]
+        lengths = tuple(columns[0][1])
+        for column in columns[1:]:
+            if tuple(column[1]) != lengths:
+                raise ValueError("foreach: tensors of one index differ in size between lists")
+        aligned = all(column[2] for column in columns)
         wide = max(lengths) + CHUNK >= 2**31 - 1
         low, function = self.variant(aligned, wide)
         table = np.empty((count, len(low.per_tensor) + 1), dtype=np.int64)
