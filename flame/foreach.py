@@ -53,8 +53,10 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
     if count == 0:
         return
     backend = lists[0][0].backend
+    nodes = [[t.node for t in column] for column in lists]
     pending = [
-        t for column in lists for t in column if t.node.buffer is None and t.node.op != "buffer"
+        t for column, column_nodes in zip(lists, nodes) for t, node in zip(column, column_nodes)
+        if node.buffer is None and node.op != "buffer"
     ]  # fmt: skip
     if scalars is not None and not scalars.is_realized:
         pending.append(scalars)
@@ -62,7 +64,7 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
         realize(*pending)
     if backend == "reference":
         return _foreach_reference(rule, lists, scalars, into)
-    column_dtypes = [{t.node.dtype for t in column} for column in lists]
+    column_dtypes = [{node.dtype for node in column} for column in nodes]
     if all(len(kinds) == 1 for kinds in column_dtypes):  # the usual case: one kernel
         by_dtypes = {tuple(next(iter(kinds)) for kinds in column_dtypes): None}
     else:
@@ -73,8 +75,11 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
     for dtypes_, indices in by_dtypes.items():
         traced = _trace(rule, dtypes_, scalars, tuple(into))
         kernel = _kernel(traced)
-        columns = lists if indices is None else [[c[i] for i in indices] for c in lists]
-        storages = [[_storage(t) for t in column] for column in columns]
+        columns = nodes if indices is None else [[c[i] for i in indices] for c in nodes]
+        storages = [
+            [node.buffer if node.buffer is not None else node.attr("storage") for node in column]
+            for column in columns
+        ]  # fmt: skip
         shared = {}
         if traced.shared_node is not None:
             shared[id(traced.shared_node)] = _array(scalars)
@@ -90,20 +95,26 @@ def _check(rule, lists, into):
             raise ForeachError(
                 f"foreach: list {position} has {len(column)} tensors, list 0 has {count}"
             )
-    for index in range(count):
-        shape = lists[0][index].shape
-        for position, column in enumerate(lists):
-            tensor = column[index]
-            if not isinstance(tensor, Tensor):
-                raise ForeachError(f"foreach: list {position}[{index}] is not a tensor")
-            if tensor.shape != shape:
-                raise ForeachError(
-                    f"foreach: tensor {index} has shape {list(shape)} in list 0 but "
-                    f"{list(tensor.shape)} in list {position}"
-                )
     for position in into:
         if not 0 <= position < len(lists):
             raise ForeachError(f"foreach: into names list {position}; there are {len(lists)}")
+    try:  # the fast check: one comprehension per list
+        shapes = [t.node.shape for t in lists[0]]
+        if all([t.node.shape for t in column] == shapes for column in lists[1:]):
+            return
+    except AttributeError:
+        pass
+    for index in range(count):  # something is wrong: find it, and say where
+        for position, column in enumerate(lists):
+            if not isinstance(column[index], Tensor):
+                raise ForeachError(f"foreach: list {position}[{index}] is not a tensor")
+        shape = lists[0][index].shape
+        for position, column in enumerate(lists):
+            if column[index].shape != shape:
+                raise ForeachError(
+                    f"foreach: tensor {index} has shape {list(shape)} in list 0 but "
+                    f"{list(column[index].shape)} in list {position}"
+                )
 
 
 def _array(tensor: Tensor):

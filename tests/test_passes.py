@@ -146,3 +146,21 @@ def test_verifier_rejects_a_node_that_disagrees_with_its_rule():
     bad_shape = Node("add", (x.node, buffer((8,)).node), (), fl.float32, (4, 8))
     with pytest.raises(Exception, match="add"):
         verify(Graph((bad_shape,)))
+
+
+def test_views_of_realized_values_read_them_instead_of_recomputing(reference_backend):
+    """A reshape/permute/expand of a value that is already realized must read its memory:
+    pushing the view through it would recompute everything behind it (and, on the GPU,
+    plan a kernel that reads a value no kernel writes)."""
+    from flame.ir.graph import Graph
+    from flame.ir.passes.simplify import simplify
+
+    x = fl.tensor(np.arange(12, dtype=np.float32).reshape(3, 4))
+    z = ((x * 2.0).exp() + 1.0).realize()
+    for view in (z.reshape(4, 3), z.T, z.reshape(3, 1, 4).expand(3, 2, 4)):
+        result = (view * 3.0).sum()
+        graph = simplify(Graph((result.node,)))
+        ops = {node.op for node in graph.nodes}
+        assert "exp" not in ops, ops  # z is read, not recomputed
+        expected = (np.asarray(view.numpy()) * 3.0).sum()
+        np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)

@@ -83,6 +83,8 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         return child
     if child.op == "const" and child.shape == ():
         return make_node("expand", (child,), {"shape": node.shape}, site)
+    if child.buffer is not None:
+        return node  # realized: an input of this graph, read through the view, never recomputed
     if child.op == op and op in ("expand", "reshape"):  # two steps of one kind are one
         return _movement(op, attrs, child.inputs[0], site, keep)
     if op == "permute" and child.op == "permute":
