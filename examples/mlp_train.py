@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3)
     arguments = parser.parse_args()
     rng = np.random.default_rng(0)
     b, d, h = arguments.batch, arguments.features, arguments.hidden
@@ -39,7 +40,7 @@ def main() -> None:
     ]
     params = [p.to(fl.bfloat16).realize().requires_grad_() for p in params]
     w1, b1, w2, b2 = params
-    opt = fl.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    opt = fl.optim.AdamW(params, lr=arguments.lr, weight_decay=0.01)
 
     @fl.compile
     def step(x, y):

@@ -164,3 +164,23 @@ def test_views_of_realized_values_read_them_instead_of_recomputing(reference_bac
         assert "exp" not in ops, ops  # z is read, not recomputed
         expected = (np.asarray(view.numpy()) * 3.0).sum()
         np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+
+
+def test_a_transpose_of_a_value_with_other_readers_reads_it(cuda_backend):
+    """h = gelu(x) feeds a matmul and, transposed, another matmul (a weight gradient): the
+    transposed use must read h through a view, not recompute gelu in transposed order."""
+    x = fl.tensor(np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32))
+    w = fl.tensor(np.ones((32, 16), np.float32))
+    h = fl.gelu(x)
+    out = (h @ w).sum() + (h.T @ fl.tensor(np.ones((64, 8), np.float32))).sum()
+    graph = run_pipeline(Graph((out.node,)))
+    gelu_kernels = [g for g in graph.groups if any(n.op == "gelu" for n in g.nodes)]
+    assert len(gelu_kernels) == 1, [[n.op for n in g.nodes] for g in graph.groups]
+
+
+def test_detach_is_the_same_value(reference_backend):
+    x = fl.tensor(np.arange(6, dtype=np.float32))
+    y = (x * 2.0).detach() + 1.0
+    graph = simplify(Graph((y.node,)))
+    assert "detach" not in {node.op for node in graph.nodes}
+    np.testing.assert_array_equal(y.numpy(), np.arange(6) * 2 + 1)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from flame.ir.evaluate import compute_dtype, evaluate_elementwise
-from flame.ir.graph import Graph
+from flame.ir.graph import Graph, is_input
 from flame.ir.infer import make_const, make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
-from flame.ir.passes.rewrite import rewrite
+from flame.ir.passes.rewrite import with_inputs
 
 
 def constant_value(node: Node):
@@ -47,6 +47,8 @@ def _fold(node: Node) -> Node | None:
 
 def _identity(node: Node) -> Node | None:
     op = node.op
+    if op == "detach":  # an autograd marker: the same value (and, as in PyTorch, memory)
+        return node.inputs[0]
     if op == "neg" and node.inputs[0].op == "neg":
         return node.inputs[0].inputs[0]
     if op == "cast" and node.inputs[0].dtype is node.dtype:
@@ -93,6 +95,10 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
     if get_op(child.op).kind != "elementwise" or id(child) in keep:
         return node  # graph outputs are written anyway: read them, do not recompute
+    if op == "permute" and id(child) in getattr(keep, "shared", ()):
+        # a value other ops read is computed in its own layout; recomputing it transposed
+        # would read its inputs across rows (uncoalesced): read it through the view
+        return node
     if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
         return node
     inputs = tuple(
@@ -127,8 +133,20 @@ def _same(first: Node, second: Node) -> bool:
     )  # fmt: skip
 
 
+class _Keep(frozenset):
+    """Ids of the graph's outputs, and in ``shared`` the (rewritten) values with more than
+    one reader in the graph."""
+
+    shared: set
+
+
 def simplify(graph: Graph) -> Graph:
-    keep = frozenset(id(node) for node in graph.outputs)
+    keep = _Keep(id(node) for node in graph.outputs)
+    keep.shared = set()
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for child in {id(child) for child in node.inputs}:
+            readers[child] = readers.get(child, 0) + 1
 
     def visit(node: Node) -> Node:
         while True:
@@ -144,4 +162,13 @@ def simplify(graph: Graph) -> Graph:
                 return node
             node = replacement
 
-    return rewrite(graph, visit)
+    mapped: dict[int, Node] = {}  # rewrite(), remembering which values have several readers
+    for node in graph.nodes:
+        if is_input(node):
+            mapped[id(node)] = node
+            continue
+        result = visit(with_inputs(node, tuple(mapped[id(child)] for child in node.inputs)))
+        mapped[id(node)] = result
+        if readers.get(id(node), 0) > 1:
+            keep.shared.add(id(result))
+    return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
