@@ -88,17 +88,19 @@ def is_row_alias(node: Node, key) -> bool:
     )  # fmt: skip
 
 
-def library_view(node: Node):
-    """``(base, view)`` when ``node`` is a chain of views over data a library call can read
-    in place (an input, or another library call's result): ``a @ b.T`` hands cuBLAS the
-    transposed strides instead of a copy. None otherwise."""
+def library_view(node: Node, computed: bool = True):
+    """``(base, view)`` when ``node`` is a chain of views over one value a library call can
+    read in place: ``a @ b.T`` hands cuBLAS the transposed strides instead of a copy. The
+    base is an input, another library call's result, or (with ``computed``) any value this
+    plan writes in its own layout -- the fusion pass then materializes that value. None when
+    the views do not compose to one strided view."""
     if node.op not in MOVEMENT_OPS:
         return None
     resolved = resolve(node, _base_view, lambda m: True)
     if resolved is None:
         return None
     base = resolved[0]
-    if is_input(base) or get_op(base.op).kind == "library":
+    if computed or is_input(base) or get_op(base.op).kind == "library":
         return resolved
     return None
 
@@ -121,8 +123,11 @@ def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
         if kind == "library":
             choose(node, f"{node.op} runs as a library call")
             for child in node.inputs:
-                if not library_view(child):
+                view = library_view(child)
+                if not view:
                     choose(child, f"input of {node.op}, which reads memory")
+                elif not is_input(view[0]):
+                    choose(view[0], f"read by {node.op} through a view (no copy)")
         elif node.op == "expand" and not is_input(node.inputs[0]):
             source = node.inputs[0]
             cost = computed_size(source, set(chosen))
