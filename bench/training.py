@@ -191,11 +191,11 @@ def mlp_flame(x_np, y_np, weights, repeats):
     fl.synchronize()
     first = time.perf_counter() - start
     ms = median_ms(step, repeats)
+    device = device_ms(step, repeats)
     return {
-        "ms": ms,
-        "first_call_s": first,
+        "ms": ms, "device_ms": device, "first_call_s": first,
         "losses": [float(value.item()) for value in losses[:4]],
-    }
+    }  # fmt: skip
 
 
 def mlp_torch(x_np, y_np, weights, repeats, compiled: bool):

@@ -388,3 +388,25 @@ def test_forward_backward_workloads_on_the_reference_backend(tmp_path):
         assert flame["peak_memory"]["peak_mb"] >= flame["peak_memory"]["outputs_mb"] > 0
         assert row["results"]["cupy_fuse"]["reason"] == "no autograd in cupy.fuse"
     assert "## Peak memory of one forward + backward call" in completed.stdout
+
+
+def test_training_report_renders_ratios_from_its_fields():
+    from bench.training import markdown
+
+    def entry(device, per_call):
+        return {"ms": per_call, "device_ms": device, "first_call_s": 0.1, "losses": [1.0]}
+
+    adamw = {
+        "params": 200, "elements": 160e6, "floor_ms": 1.5, "copy_bandwidth_tb_s": 2.9,
+        "flame": {**entry(1.6, 2.0), "host_us_per_step": 400.0},
+        "torch_fused": entry(2.4, 2.5), "torch_foreach": entry(4.8, 5.0),
+        "max_relative_difference_vs_torch_fused": 1e-6,
+    }  # fmt: skip
+    mlp = {name: {**entry(d, d), "tflop_s": 700.0} for name, d in
+           (("flame", 9.0), ("torch_eager", 9.9), ("torch_compile", 9.45))}
+    mlp["first_step_cold"] = {"first_step_s": 0.6, "import_s": 0.5}
+    mlp["first_step_warm"] = {"first_step_s": 0.2, "import_s": 0.5}
+    text = markdown({"device": "test", "adamw": adamw, "mlp": mlp})
+    assert "| torch_fused | 2.400 | 1.60x | 1.50x | 2.500 | 1.25x |" in text
+    assert "| torch_compile | 9.450 | 700 | 1.05x |" in text
+    assert "warm disk cache 0.200 s" in text
