@@ -37,7 +37,7 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view
 
 VECTOR_BYTES = 16
-MAX_VEC = 4
+MAX_VEC = 8  # 16 bytes of 16-bit values: one 128-bit load per operand
 BLOCK = 256
 
 
