@@ -192,3 +192,27 @@ def test_detach_is_the_same_value(reference_backend):
     graph = simplify(Graph((y.node,)))
     assert "detach" not in {node.op for node in graph.nodes}
     np.testing.assert_array_equal(y.numpy(), np.arange(6) * 2 + 1)
+
+
+def test_a_split_reduction_reads_a_value_a_matmul_reads_anyway(cuda_backend):
+    """The bias gradient of an MLP's first layer sums d_hidden over the batch: the split
+    reduction must read d_hidden (written anyway for the weight gradient's matmul) instead of
+    recomputing GELU's derivative from its two inputs."""
+    import flame.nn.functional as F
+
+    b, d, h = 8192, 256, 4096
+    x = fl.tensor(np.ones((b, d), np.float32))
+    y = fl.tensor(np.ones((b, d), np.float32))
+    ws = [fl.tensor(np.ones(s, np.float32)) for s in [(d, h), (h,), (h, d), (d,)]]
+
+    def loss(w1, b1, w2, b2):
+        return F.mse_loss(F.gelu(x @ w1 + b1) @ w2 + b2, y)
+
+    _, grads = fl.value_and_grad(loss, argnums=(0, 1, 2, 3))(*ws)
+    graph = run_pipeline(Graph(tuple(g.node for g in grads)))
+    recomputing = [
+        g for g in graph.groups if g.kind == "reduce" and any(n.op == "erf" for n in g.nodes)
+    ]
+    assert not recomputing
+    # GELU's derivative is computed once, by the elementwise kernel that writes d_hidden
+    assert sum(any(n.op == "erf" for n in g.nodes) for g in graph.groups) == 1

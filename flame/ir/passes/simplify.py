@@ -95,9 +95,10 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
     if get_op(child.op).kind != "elementwise" or id(child) in keep:
         return node  # graph outputs are written anyway: read them, do not recompute
-    if op == "permute" and id(child) in getattr(keep, "shared", ()):
-        # a value other ops read is computed in its own layout; recomputing it transposed
-        # would read its inputs across rows (uncoalesced): read it through the view
+    if id(child) in getattr(keep, "stored", ()):
+        # a library call (matmul) reads this value from memory, so it is written anyway:
+        # read it through the view rather than recompute it in another order (transposed:
+        # uncoalesced reads; reshaped for a split reduction: every input read again)
         return node
     if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
         return node
@@ -134,19 +135,22 @@ def _same(first: Node, second: Node) -> bool:
 
 
 class _Keep(frozenset):
-    """Ids of the graph's outputs, and in ``shared`` the (rewritten) values with more than
-    one reader in the graph."""
+    """Ids of the graph's outputs, and in ``stored`` the (rewritten) values a library call
+    reads, directly or through views: values that will be in memory whatever else happens."""
 
-    shared: set
+    stored: set
 
 
 def simplify(graph: Graph) -> Graph:
     keep = _Keep(id(node) for node in graph.outputs)
-    keep.shared = set()
-    readers: dict[int, int] = {}
+    keep.stored = set()
+    library_reads: set[int] = set()
     for node in graph.nodes:
-        for child in {id(child) for child in node.inputs}:
-            readers[child] = readers.get(child, 0) + 1
+        if get_op(node.op).kind == "library":
+            for child in node.inputs:
+                while get_op(child.op).kind == "movement" and child.buffer is None:
+                    child = child.inputs[0]
+                library_reads.add(id(child))
 
     def visit(node: Node) -> Node:
         while True:
@@ -162,13 +166,13 @@ def simplify(graph: Graph) -> Graph:
                 return node
             node = replacement
 
-    mapped: dict[int, Node] = {}  # rewrite(), remembering which values have several readers
+    mapped: dict[int, Node] = {}  # rewrite(), remembering the values library calls read
     for node in graph.nodes:
         if is_input(node):
             mapped[id(node)] = node
             continue
         result = visit(with_inputs(node, tuple(mapped[id(child)] for child in node.inputs)))
         mapped[id(node)] = result
-        if readers.get(id(node), 0) > 1:
-            keep.shared.add(id(result))
+        if id(node) in library_reads:
+            keep.stored.add(id(result))
     return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
