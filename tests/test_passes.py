@@ -216,3 +216,23 @@ def test_a_split_reduction_reads_a_value_a_matmul_reads_anyway(cuda_backend):
     assert not recomputing
     # GELU's derivative is computed once, by the elementwise kernel that writes d_hidden
     assert sum(any(n.op == "erf" for n in g.nodes) for g in graph.groups) == 1
+
+
+def test_a_library_call_runs_after_the_kernel_writing_the_base_of_its_view(cuda_backend):
+    """embedding's backward scatters a reshaped, masked gradient: the scatter reads the
+    masked value through a view, so the kernel that writes it must come first."""
+    from flame.ir.passes.fuse import library_view
+
+    i = fl.tensor(np.array([[0, 2, 1], [4, 2, 3]], np.int64))
+    w = fl.tensor(np.ones((5, 3), np.float32))
+    g = fl.grad(lambda w: (fl.embedding(i, w, padding_idx=2) * 2.0).sum())(w)
+    graph = run_pipeline(Graph((g.node,)))
+    written_before: set[int] = set()
+    for group in graph.groups:
+        if group.kind == "library":
+            for child in group.nodes[0].inputs:
+                view = library_view(child)
+                base = view[0] if view else child
+                if not (base.buffer is not None or base.op == "buffer"):
+                    assert id(base) in written_before, base.op
+        written_before |= {id(node) for node in group.outputs}

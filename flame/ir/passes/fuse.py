@@ -390,6 +390,9 @@ def _order_groups(groups: list[Group], materialized) -> list[Group]:
     for index, group in enumerate(groups):
         for node in group.nodes:
             for child in node.inputs:
+                if group.kind == "library":  # it reads the base of a view in place
+                    view = library_view(child)
+                    child = view[0] if view else child
                 source = producer.get(id(child))
                 if source is not None and source != index and id(child) in materialized:
                     dependencies.add(index, source)
