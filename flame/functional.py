@@ -3,7 +3,7 @@ declared in the registry; this module adds only PyTorch's argument names and che
 
 from __future__ import annotations
 
-from flame.tensor import Tensor, apply, clamp, fast_apply
+from flame.tensor import Tensor, _fast_binary, _fast_unary, apply, clamp
 
 UNARY = (
     "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu erf floor ceil round "
@@ -16,8 +16,7 @@ BINARY = (
 
 
 def _unary(name):
-    def function(x):
-        return fast_apply(name, x, arity=1)
+    function = _fast_unary(name)
 
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Elementwise ``{name}`` (see the op registry)."
@@ -25,8 +24,7 @@ def _unary(name):
 
 
 def _binary(name):
-    def function(x, other):
-        return fast_apply(name, x, other)
+    function = _fast_binary(name)
 
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Elementwise ``{name}`` with broadcasting and type promotion."

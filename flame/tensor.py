@@ -15,7 +15,7 @@ import numpy as np
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
 from flame.ir.infer import make_const
-from flame.ir.node import FLAME_DIR, Node, format_site, user_site
+from flame.ir.node import Node, format_site, frame_site, user_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -240,9 +240,6 @@ class Tensor:
         return apply("where", condition, self, other)
 
     # --- operators ---------------------------------------------------------------------------
-    def __neg__(self):
-        return fast_apply("neg", self, arity=1)
-
     def __pos__(self):
         return self
 
@@ -259,19 +256,94 @@ def _numpy_dlpack_args(kwargs):
 
 def _caller_site():
     """``user_site`` for fast_apply's callers (an operator or a ``flame.op`` function, whose
-    caller is usually the user's code): look two frames up first, walk only if needed."""
-    frame = sys._getframe(3)
-    filename = frame.f_code.co_filename
-    if filename.startswith(FLAME_DIR):
-        return user_site()
-    return (filename, frame.f_lineno)
+    caller is usually the user's code): start two frames up."""
+    return frame_site(sys._getframe(3))
+
+
+def _fast_dtypes(op) -> frozenset:
+    """The dtypes an op's fast path takes as they are: the op accepts them and its promotion
+    keeps them (``int_to_float`` ops take floats only)."""
+    if op.promotion not in ("default", "always_bool", "int_to_float"):
+        return frozenset()
+    return frozenset(
+        dtype
+        for dtype in dtypes.ALL
+        if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float)
+    )
+
+
+def _fast_unary(op_name: str):
+    """``op(x)`` built straight into a node when ``x`` is a tensor of a dtype the op takes as
+    it is; anything else goes through ``apply`` (which also reports errors). The caller's
+    frame is the user's line unless it is FLAME's own code."""
+    op = OPS[op_name]
+    accepted = _fast_dtypes(op)
+
+    def function(x):
+        if type(x) is Tensor:
+            node = x.node
+            dtype = node.dtype
+            if dtype in accepted:
+                site = frame_site(sys._getframe(1))
+                node = Node(op_name, (node,), (), dtype, node.shape, site)
+                if grad_enabled.get():
+                    return Tensor(node, x.backend)
+                return result(node, x.backend)
+        return apply(op_name, x)
+
+    return function
+
+
+def _fast_binary(op_name: str, reflected: bool = False):
+    """``op(a, b)`` built straight into a node in the common cases: one dtype the op takes as
+    it is and equal shapes on one backend, or a float tensor with a Python int/float (an
+    implicit-broadcast constant). Anything else goes through ``apply``, which promotes,
+    broadcasts and reports errors. ``reflected``: the tensor is the right operand."""
+    op = OPS[op_name]
+    accepted = _fast_dtypes(op)
+    out_bool = op.out_bool
+
+    def function(x, other):
+        if type(x) is Tensor:
+            node = x.node
+            dtype = node.dtype
+            if dtype in accepted:
+                kind = type(other)
+                if kind is Tensor:
+                    other_node = other.node
+                    if (other_node.dtype is not dtype or other_node.shape != node.shape
+                            or other.backend != x.backend):  # fmt: skip
+                        other_node = None
+                elif (kind is float or kind is int) and dtype.category == 2:
+                    other_node = Node("const", (), (("value", float(other)),), dtype, (), None)
+                else:
+                    other_node = None
+                if other_node is not None:
+                    site = frame_site(sys._getframe(1))
+                    node = Node(
+                        op_name,
+                        (other_node, node) if reflected else (node, other_node),
+                        (),
+                        dtypes.bool_ if out_bool else dtype,
+                        node.shape,
+                        site,
+                    )
+                    if grad_enabled.get():
+                        return Tensor(node, x.backend)
+                    return result(node, x.backend)
+        if reflected:
+            return apply(op_name, other, x)
+        return apply(op_name, x, other)
+
+    return function
 
 
 def fast_apply(op_name: str, first, second=None, arity: int = 2):
     """``apply`` for the common cases (one float/int dtype, equal shapes, or a tensor with a
     Python number that does not change its dtype), which need no promotion, cast or
     broadcast. Anything else falls through to ``apply``, which also does the error reporting.
-    Graph building is the host cost of lazy mode, so this path is kept short."""
+    Graph building is the host cost of lazy mode, so the operators and ``flame.op`` functions
+    use the specialised builders above (``_fast_unary``, ``_fast_binary``) directly."""
     op = OPS[op_name]
     if arity == 1:
         if type(first) is Tensor:
@@ -304,19 +376,13 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
     return apply(op_name, first, second)
 
 
-def _binary_operator(op_name: str, reflected: bool = False):
-    if reflected:
-        return lambda self, other: fast_apply(op_name, other, self)
-    return lambda self, other: fast_apply(op_name, self, other)
-
-
 for _dunder, _op in (
     ("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "div"),
     ("floordiv", "floordiv"), ("mod", "remainder"), ("pow", "pow"),
     ("and", "bitwise_and"), ("or", "bitwise_or"), ("xor", "bitwise_xor"),
 ):  # fmt: skip
-    setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
-    setattr(Tensor, f"__r{_dunder}__", _binary_operator(_op, reflected=True))
+    setattr(Tensor, f"__{_dunder}__", _fast_binary(_op))
+    setattr(Tensor, f"__r{_dunder}__", _fast_binary(_op, reflected=True))
 for _dunder, _op in (
     ("eq", "eq"),
     ("ne", "ne"),
@@ -325,8 +391,9 @@ for _dunder, _op in (
     ("gt", "gt"),
     ("ge", "ge"),
 ):
-    setattr(Tensor, f"__{_dunder}__", _binary_operator(_op))
+    setattr(Tensor, f"__{_dunder}__", _fast_binary(_op))
 Tensor.__hash__ = object.__hash__
+Tensor.__neg__ = _fast_unary("neg")
 
 
 # --- building ops ---------------------------------------------------------------------------

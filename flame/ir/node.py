@@ -38,13 +38,47 @@ def format_site(site) -> str:
     return f"{os.path.basename(site[0])}:{site[1]}"
 
 
-def user_site() -> Site | None:
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(FLAME_DIR):
+# Line numbers, memoized per code object and bytecode offset: ``frame.f_lineno`` scans the
+# code's line table from its start, which costs more than building a node in a long user
+# function. id(code) -> (code, in_flame, {offset: site}); the entry holds its code object, so
+# the id is not reused while cached. A pure memo (equal inputs, equal answers): threads and
+# tests can share it. Cleared when it grows past _SITE_CODES code objects (exec'd code).
+_sites: dict[int, tuple] = {}
+_SITE_CODES = 4096
+
+
+def _code_entry(code) -> tuple:
+    entry = _sites.get(id(code))
+    if entry is None or entry[0] is not code:
+        if len(_sites) >= _SITE_CODES:
+            _sites.clear()
+        entry = (code, code.co_filename.startswith(FLAME_DIR), {})
+        _sites[id(code)] = entry
+    return entry
+
+
+def frame_site(frame) -> Site | None:
+    """The site of ``frame`` if it is the user's (outside FLAME), else of the first user frame
+    below it: ``user_site`` from a known frame, for the graph-building fast paths."""
+    entry = _sites.get(id(frame.f_code))
+    if entry is None or entry[0] is not frame.f_code:
+        entry = _code_entry(frame.f_code)
+    while entry[1]:  # FLAME's own code: walk out to the user's
         frame = frame.f_back
-    if frame is None:
-        return None
-    return (frame.f_code.co_filename, frame.f_lineno)
+        if frame is None:
+            return None
+        entry = _code_entry(frame.f_code)
+    lines = entry[2]
+    offset = frame.f_lasti
+    site = lines.get(offset)
+    if site is None:
+        site = lines[offset] = (frame.f_code.co_filename, frame.f_lineno)
+    return site
+
+
+def user_site() -> Site | None:
+    """(filename, line) of the first frame outside FLAME: the user's line."""
+    return frame_site(sys._getframe(1))
 
 
 class Node:

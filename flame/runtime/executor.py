@@ -131,44 +131,94 @@ class Plan:
 def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
     """The graph behind ``outputs`` in one pass: nodes inputs-first, its inputs, and its
     structure as a flat tuple (computed nodes by op/attrs/type/input positions, inputs by
-    type and memory layout only) that keys the plan cache."""
+    type and memory layout only) that keys the plan cache.
+
+    This runs on every realize of lazy mode, so it is the interpreter's fast path: a
+    recursive depth-first walk (Python calls are cheaper than an explicit stack of markers);
+    a graph deeper than the recursion limit is walked again with an explicit stack, in the
+    same order, giving the same key."""
     position: dict[int, int] = {}
     order: list[Node] = []
     inputs: list[Node] = []
     parts: list[tuple] = []
-    stack = list(reversed(outputs))
-    done = object()  # marks "children visited" for the node below it on the stack
-    while stack:
-        node = stack.pop()
-        if node is done:
-            node = stack.pop()
-            key = id(node)
-            if key in position:
-                continue
-            position[key] = len(order)
-            order.append(node)
-            if node.buffer is not None or node.op == "buffer":
-                inputs.append(node)
-                storage = node.buffer or node.attr("storage")
-                parts.append((node.dtype, node.shape, storage.layout()))
+    get = position.get
+
+    def visit(node: Node) -> int:
+        if node.buffer is not None or node.op == "buffer":
+            storage = node.buffer or node.attr("storage")
+            part = (node.dtype, node.shape, storage.layout())
+            inputs.append(node)
+        else:
+            # an op node's dtype and shape follow from its op, attrs and inputs; a
+            # generated leaf (constant, random numbers) needs them spelled out
+            children = node.inputs
+            count = len(children)
+            if count == 2:
+                first, second = children
+                a = get(id(first))
+                if a is None:
+                    a = visit(first)
+                b = get(id(second))
+                if b is None:
+                    b = visit(second)
+                part = (node.op, node.attrs, a, b)
+            elif count == 1:
+                first = children[0]
+                a = get(id(first))
+                if a is None:
+                    a = visit(first)
+                part = (node.op, node.attrs, a)
+            elif count == 0:
+                part = (node.op, node.attrs, node.dtype, node.shape)
             else:
-                # an op node's dtype and shape follow from its op, attrs and inputs; a
-                # generated leaf (constant, random numbers) needs them spelled out
-                if node.inputs:
-                    children = tuple([position[id(child)] for child in node.inputs])
-                    parts.append((node.op, node.attrs, children))
+                indices = []
+                for child in children:
+                    index = get(id(child))
+                    indices.append(visit(child) if index is None else index)
+                part = (node.op, node.attrs, *indices)
+        index = len(order)
+        position[id(node)] = index
+        order.append(node)
+        parts.append(part)
+        return index
+
+    try:
+        roots = [visit(root) if get(id(root)) is None else position[id(root)] for root in outputs]
+    except RecursionError:
+        position.clear()
+        order.clear()
+        inputs.clear()
+        parts.clear()
+        stack = list(reversed(outputs))
+        done = object()  # marks "children visited" for the node below it on the stack
+        while stack:
+            node = stack.pop()
+            if node is done:
+                node = stack.pop()
+                if id(node) in position:
+                    continue
+                if node.buffer is not None or node.op == "buffer":
+                    storage = node.buffer or node.attr("storage")
+                    parts.append((node.dtype, node.shape, storage.layout()))
+                    inputs.append(node)
+                elif node.inputs:
+                    children = [position[id(child)] for child in node.inputs]
+                    parts.append((node.op, node.attrs, *children))
                 else:
                     parts.append((node.op, node.attrs, node.dtype, node.shape))
-            continue
-        if id(node) in position:
-            continue
-        stack.append(node)
-        stack.append(done)
-        if node.buffer is None:
-            for child in reversed(node.inputs):
-                if id(child) not in position:
-                    stack.append(child)
-    parts.append(tuple([position[id(node)] for node in outputs]))
+                position[id(node)] = len(order)
+                order.append(node)
+                continue
+            if id(node) in position:
+                continue
+            stack.append(node)
+            stack.append(done)
+            if node.buffer is None and node.op != "buffer":
+                for child in reversed(node.inputs):
+                    if id(child) not in position:
+                        stack.append(child)
+        roots = [position[id(root)] for root in outputs]
+    parts.append(tuple(roots))
     return order, inputs, tuple(parts)
 
 
@@ -184,13 +234,26 @@ class Executor:
         self.plan_misses = 0
 
     def realize(self, nodes: list[Node]) -> None:
-        unique = {id(node): node for node in nodes if node.buffer is None and node.op != "buffer"}
-        pending = list(unique.values())
-        if not pending:
-            return
+        if len(nodes) == 1:  # the common case, kept short: lazy mode pays this every call
+            node = nodes[0]
+            if node.buffer is not None or node.op == "buffer":
+                return
+            pending = [node]
+        else:
+            unique = {
+                id(node): node for node in nodes if node.buffer is None and node.op != "buffer"
+            }
+            pending = list(unique.values())
+            if not pending:
+                return
         _, inputs, key = linearize(pending)
         plan = self.plan_for(pending, inputs, key)
-        slots = self.run(plan, [_array_of(node) for node in inputs])
+        arrays = []
+        for node in inputs:
+            storage = node.buffer if node.buffer is not None else node.attr("storage")
+            array = storage.array
+            arrays.append(array if array is not None else storage.device_array())
+        slots = self.run(plan, arrays)
         for node, slot in zip(pending, plan.output_slots):
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
 
