@@ -71,6 +71,8 @@ class CacheInfo:
     misses: int = 0  # calls with a new signature
     replans: int = 0  # calls with a known signature and new sizes (kernels reused)
     reasons: list = field(default_factory=list)  # why each miss or re-plan happened
+    graph_captures: int = 0  # CUDA graphs captured (one per program and input addresses)
+    graph_replays: int = 0  # calls replayed as one CUDA-graph launch
 
 
 @dataclass
@@ -179,9 +181,10 @@ def _unflatten(treedef, leaves):
 
 
 class CompiledFunction:
-    def __init__(self, fn, static_argnames=()):
+    def __init__(self, fn, static_argnames=(), cuda_graph=None):
         self.fn = fn
         self.static_argnames = tuple(static_argnames)
+        self.cuda_graph = cuda_graph
         self._signature = inspect.signature(fn)
         self._programs: dict[tuple, _Program] = {}  # exact description -> program (fast path)
         self._signatures: dict[tuple, dict] = {}  # generic signature -> {shapes: program}
@@ -399,7 +402,10 @@ class CompiledFunction:
         # the plan's outputs come back in the order it was asked for them
         program = _Program(tuple(computed), sources, plan, **common)
         if not grads and all(kind != "grad" for kind, _ in sources):
-            program.fast = _fast_replay(program)
+            graphs = None
+            if self.cuda_graph is not False and _capturable(plan, forced=bool(self.cuda_graph)):
+                graphs = _GraphCache(plan, self._info)
+            program.fast = _fast_replay(program, graphs)
         return program
 
     def _run(self, program: _Program, args):
@@ -455,7 +461,81 @@ class CompiledFunction:
         ]
 
 
-def _fast_replay(program: _Program):
+def _capturable(plan, forced: bool) -> bool:
+    """CUDA graphs where they are safe and pay: kernels only (a library call allocates its
+    result inside the routine, which a capture cannot replay), and more than one launch
+    unless asked for (one launch is already one launch)."""
+    from flame.runtime.executor import Launch
+
+    if not plan.launches or not all(isinstance(step, Launch) for step in plan.launches):
+        return False
+    return forced or len(plan.launches) > 1
+
+
+class _GraphCache:
+    """The CUDA graphs of one program, keyed by the addresses of its inputs (a capture bakes
+    them in; an input changed in place keeps its address and is read anew at each replay).
+
+    Every buffer the plan writes is allocated once per graph. The outputs of a replay are
+    those buffers, lent to the caller; when a result of the previous replay is still alive at
+    the next one, its values are first moved to memory of its own (its tensor keeps them; a
+    zero-copy view taken of the old memory, e.g. through DLPack, would see the new values)."""
+
+    LIMIT = 4  # graphs kept per program (each holds its buffers)
+
+    def __init__(self, plan, info: CacheInfo):
+        self.plan, self.info = plan, info
+        self.entries: dict[tuple, list] = {}  # addresses -> [graph, slots, lent weakrefs]
+        self.lock = threading.Lock()
+
+    def run(self, arrays: list, outputs: tuple) -> list:
+        import cupy
+
+        key = tuple([array.data.ptr for array in arrays])
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                if len(self.entries) >= self.LIMIT:
+                    self.entries.pop(next(iter(self.entries)))
+                entry = self.entries[key] = self._capture(arrays)
+            graph, slots, lent = entry
+            for held in lent:  # a result of the last replay the caller still holds
+                storage = held() if held is not None else None
+                if storage is not None and storage.array is not None:
+                    storage.array = storage.array.copy()  # moved out before it is overwritten
+            graph.launch(cupy.cuda.get_current_stream())
+            self.info.graph_replays += 1
+            results = []
+            for index, (slot, dtype, shape, site) in enumerate(outputs):
+                storage = Storage("cuda", dtype, array=slots[slot])
+                lent[index] = weakref.ref(storage)
+                node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
+                results.append(Tensor(node, "cuda"))
+            return results
+
+    def _capture(self, arrays: list) -> list:
+        import cupy
+
+        plan = self.plan
+        slots = list(arrays) + [None] * (plan.slot_count - len(arrays))
+        for step in plan.launches:
+            step.allocate(slots)
+        current = cupy.cuda.get_current_stream()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(current.record())  # inputs queued before the capture are ready
+        with stream:
+            stream.begin_capture()
+            try:
+                for step in plan.launches:
+                    step.launch_into(slots)
+            finally:
+                graph = stream.end_capture()
+        graph.upload(current)
+        self.info.graph_captures += 1
+        return [graph, slots, [None] * len(plan.output_slots)]
+
+
+def _fast_replay(program: _Program, graphs: _GraphCache | None = None):
     """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
     binding arguments, launching, and wrapping the results."""
     from flame.runtime.executor import default_executor
@@ -481,12 +561,15 @@ def _fast_replay(program: _Program):
                 storage = value
             array = storage.array
             arrays.append(array if array is not None else storage.device_array())
-        slots = executor.run(plan, arrays)
-        values = []
-        for slot, dtype, shape, site in outputs:
-            storage = Storage("cuda", dtype, array=slots[slot])
-            node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
-            values.append(Tensor(node, "cuda"))
+        if graphs is not None:
+            values = graphs.run(arrays, outputs)
+        else:
+            slots = executor.run(plan, arrays)
+            values = []
+            for slot, dtype, shape, site in outputs:
+                storage = Storage("cuda", dtype, array=slots[slot])
+                node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
+                values.append(Tensor(node, "cuda"))
         if single:
             return values[0]
         results = [
@@ -507,11 +590,13 @@ def _wrap(storage: Storage, like: Node) -> Tensor:
     return Tensor(node, storage.backend)
 
 
-def compile(fn=None, *, static_argnames=()):  # noqa: A001 (flame.compile, as torch.compile)
+def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as torch.compile)
     """Trace ``fn`` once per signature and replay the prepared kernels on later calls.
 
     ``static_argnames``: parameters whose values select code (their values are part of the
-    signature; passing a tensor there is an error)."""
+    signature; passing a tensor there is an error). ``cuda_graph``: None (default) captures
+    programs of several kernels and no library calls as CUDA graphs, replayed with one
+    launch; True also captures single-kernel programs; False never captures."""
     if fn is None:
-        return functools.partial(compile, static_argnames=static_argnames)
-    return CompiledFunction(fn, static_argnames)
+        return functools.partial(compile, static_argnames=static_argnames, cuda_graph=cuda_graph)
+    return CompiledFunction(fn, static_argnames, cuda_graph)

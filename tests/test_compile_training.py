@@ -244,3 +244,50 @@ def test_plan_releases_intermediates_after_their_last_reader(rng):
     everything = sum(n.numel * n.dtype.itemsize for g in plan.graph.groups for n in g.outputs)
     assert 0 < plan.planned_peak_bytes < everything
     assert compiled.programs()[0]["planned_peak_bytes"] == plan.planned_peak_bytes
+
+
+def _two_kernels(x):
+    column = (x * 2.0).sum(0)  # a column reduction, then an elementwise kernel reading it
+    return fl.tanh(x + column), column
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_is_correct_and_follows_inputs_changed_in_place(rng):
+    compiled = fl.compile(_two_kernels)
+    x = _t(rng, 256, 64).realize()
+    first = compiled(x)
+    program = next(iter(compiled._programs.values()))
+    assert len(program.plan.launches) >= 2
+    for got, want in zip(first, _two_kernels(x)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    held = first[0].numpy().copy()
+    x.copy_(rng.standard_normal((256, 64)).astype(np.float32))  # same address, new values
+    second = compiled(x)
+    for got, want in zip(second, _two_kernels(x)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    # the first result was still held during the second replay: it was not overwritten
+    np.testing.assert_array_equal(first[0].numpy(), held)
+    info = compiled.cache_info()
+    assert info.graph_captures == 1 and info.graph_replays == 2
+    other = _t(rng, 256, 64).realize()  # another address: another capture
+    third = compiled(other)
+    np.testing.assert_allclose(third[1].numpy(), (other.numpy() * 2).sum(0), rtol=1e-4)
+    assert compiled.cache_info().graph_captures == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_can_be_switched_off(rng):
+    compiled = fl.compile(_two_kernels, cuda_graph=False)
+    x = _t(rng, 128, 32).realize()
+    for _ in range(2):
+        got = compiled(x)
+    np.testing.assert_allclose(got[1].numpy(), (x.numpy() * 2).sum(0), rtol=1e-4)
+    assert compiled.cache_info().graph_replays == 0
+
+
+def test_reference_backend_never_captures(rng, reference_backend):
+    compiled = fl.compile(_two_kernels, cuda_graph=True)
+    x = _t(rng, 16, 8)
+    compiled(x)
+    compiled(x)
+    assert compiled.cache_info().graph_captures == 0 and compiled.cache_info().hits == 1

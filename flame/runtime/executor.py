@@ -73,7 +73,17 @@ class Launch:
         ndarray = cupy.ndarray
         for slot, shape, dtype in self._allocations:
             slots[slot] = ndarray(shape, dtype)
-        stream = cupy.cuda.get_current_stream().ptr
+        self.launch_into(slots)
+
+    def allocate(self, slots: list) -> None:
+        """Fill this launch's output slots with new buffers (before a CUDA-graph capture)."""
+        ndarray = _cupy().ndarray
+        for slot, shape, dtype in self._allocations:
+            slots[slot] = ndarray(shape, dtype)
+
+    def launch_into(self, slots: list) -> None:
+        """Launch on the current stream with the buffers already in ``slots``."""
+        stream = _cupy().cuda.get_current_stream().ptr
         with self._lock:  # the parameter block is shared by every call of this launch
             for holder, slot in self._buffers:
                 holder.value = slots[slot].data.ptr
