@@ -394,6 +394,8 @@ class CompiledFunction:
             for node in inputs
         )  # fmt: skip
         if backend != "cuda":
+            if events.active():  # the dump renders and compiles the program's kernels
+                events.emit("reference", outputs=list(computed))
             pairs = tuple(zip(inputs, sources))
             return _Program(tuple(computed), sources, None, reference_inputs=pairs, **common)
         from flame.runtime.executor import default_executor

@@ -291,3 +291,17 @@ def test_reference_backend_never_captures(rng, reference_backend):
     compiled(x)
     compiled(x)
     assert compiled.cache_info().graph_captures == 0 and compiled.cache_info().hits == 1
+
+
+def test_a_compiled_program_on_the_reference_backend_is_reported_once(rng, reference_backend):
+    from flame.runtime import events
+
+    seen = []
+    compiled = fl.compile(lambda x, w: fl.gelu(x @ w).sum())
+    x, w = _t(rng, 4, 8), _t(rng, 8, 3)
+    with events.recording(lambda kind, data: seen.append((kind, data))):
+        compiled(x, w)
+        compiled(x, w)
+    reported = [data["outputs"] for kind, data in seen if kind == "reference"]
+    assert len(reported) == 1  # at trace time: the dump renders its kernels from it
+    assert [kind for kind, _ in seen].count("trace") == 1
