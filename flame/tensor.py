@@ -92,7 +92,9 @@ class Tensor:
 
     # --- realization ----------------------------------------------------------------------
     def realize(self) -> Tensor:
-        realize(self)
+        node = self.node
+        if node.buffer is None and node.op != "buffer":  # ``realize(self)``, kept short
+            realize_nodes(self.backend, [node])
         return self
 
     def _storage(self):
