@@ -32,25 +32,10 @@ MLP_QUICK = dict(batch=256, d_in=256, d_hidden=512)
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 
 
-def median_ms(run, repeats: int, warmup: int = 3) -> float:
-    import cupy
-
-    for _ in range(warmup):
-        run()
-    samples = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
-
-
-def device_ms(run, repeats: int, warmup: int = 3, spin_s: float = 0.02) -> float:
-    """Median GPU time of ``run`` with its host work hidden: each run is queued while the GPU
-    still executes a spin kernel, so the events time the kernels back to back."""
+def median_ms(run, repeats: int, warmup: int = 3, spin_s: float = 0.0) -> float:
+    """Median CUDA-event time of ``run`` after warm-up. With ``spin_s``, each run is queued
+    while the GPU still executes a spin kernel that long, so the host's work is hidden and the
+    events time the kernels back to back (device time); without, host gaps count (per call)."""
     import cupy
 
     from bench.clocks import CupyClock
@@ -60,8 +45,9 @@ def device_ms(run, repeats: int, warmup: int = 3, spin_s: float = 0.02) -> float
         run()
     samples = []
     for _ in range(repeats):
-        cupy.cuda.Device().synchronize()
-        clock.spin(spin_s)
+        if spin_s:
+            cupy.cuda.Device().synchronize()
+            clock.spin(spin_s)
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
         run()
@@ -69,6 +55,10 @@ def device_ms(run, repeats: int, warmup: int = 3, spin_s: float = 0.02) -> float
         stop.synchronize()
         samples.append(cupy.cuda.get_elapsed_time(start, stop))
     return statistics.median(samples)
+
+
+def device_ms(run, repeats: int) -> float:
+    return median_ms(run, repeats, spin_s=0.02)
 
 
 def copy_bandwidth() -> float:
@@ -156,14 +146,16 @@ def adamw(quick: bool, repeats: int) -> dict:
 # --- bfloat16 MLP training step ----------------------------------------------------------------
 
 
-def mlp_flame(x_np, y_np, weights, repeats):
+def flame_mlp(x, y, weights):
+    """The FLAME side of the MLP benchmark from float32 CuPy/NumPy arrays: bf16 inputs and
+    parameters, AdamW, and the compiled loss-and-gradients function."""
     import cupy
 
     import flame as fl
     import flame.nn.functional as F
 
-    x = fl.from_dlpack(cupy.asarray(x_np)).to(fl.bfloat16).realize()
-    y = fl.from_dlpack(cupy.asarray(y_np)).to(fl.bfloat16).realize()
+    xs = fl.from_dlpack(cupy.asarray(x)).to(fl.bfloat16).realize()
+    ys = fl.from_dlpack(cupy.asarray(y)).to(fl.bfloat16).realize()
     params = [fl.from_dlpack(cupy.asarray(w)).to(fl.bfloat16).realize() for w in weights]
     for p in params:
         p.requires_grad_()
@@ -172,11 +164,17 @@ def mlp_flame(x_np, y_np, weights, repeats):
     @fl.compile
     def loss_and_grads(x, y, w1, b1, w2, b2):
         def loss(w1, b1, w2, b2):
-            hidden = F.gelu(x @ w1 + b1)
-            return F.mse_loss(hidden @ w2 + b2, y)
+            return F.mse_loss(F.gelu(x @ w1 + b1) @ w2 + b2, y)
 
         return fl.value_and_grad(loss, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
 
+    return xs, ys, params, opt, loss_and_grads
+
+
+def mlp_flame(x_np, y_np, weights, repeats):
+    import flame as fl
+
+    x, y, params, opt, loss_and_grads = flame_mlp(x_np, y_np, weights)
     losses = []
 
     def step():
@@ -297,26 +295,8 @@ def first_step_only(quick: bool) -> dict:
 
 def _mlp_first_step(x, y, weights):
     """Setup and one training step from float32 CuPy inputs: what a new process pays."""
-    import cupy
-
-    import flame as fl
-    import flame.nn.functional as F
-
-    xs = fl.from_dlpack(cupy.asarray(x)).to(fl.bfloat16)
-    ys = fl.from_dlpack(cupy.asarray(y)).to(fl.bfloat16)
-    params = [fl.from_dlpack(cupy.asarray(w)).to(fl.bfloat16).realize() for w in weights]
-    for p in params:
-        p.requires_grad_()
-    opt = fl.optim.AdamW(params, lr=1e-4)
-
-    @fl.compile
-    def loss_and_grads(x, y, w1, b1, w2, b2):
-        def loss(w1, b1, w2, b2):
-            return F.mse_loss(F.gelu(x @ w1 + b1) @ w2 + b2, y)
-
-        return fl.value_and_grad(loss, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
-
-    loss, grads = loss_and_grads(xs.realize(), ys.realize(), *params)
+    xs, ys, params, opt, loss_and_grads = flame_mlp(x, y, weights)
+    loss, grads = loss_and_grads(xs, ys, *params)
     for p, g in zip(params, grads):
         p.grad = g
     opt.step()

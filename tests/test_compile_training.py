@@ -84,27 +84,32 @@ def test_backward_inside_a_compiled_step_sets_grads(rng, reference_backend):
     assert "grad" in info.reasons[1]
 
 
+def _train(compiled: bool, x, y, init, lr: float, steps: int):
+    """AdamW steps of the MLP, the step compiled or lazy: (losses, parameters, step)."""
+    params = [fl.tensor(a.copy()).requires_grad_() for a in init]
+    opt = fl.optim.AdamW(params, lr=lr)
+
+    def step(x, y):
+        loss = _mlp_loss(x, y, *params)
+        loss.backward()
+        return loss
+
+    run = fl.compile(step) if compiled else step
+    losses = []
+    for _ in range(steps):
+        losses.append(run(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, [p.numpy() for p in params], run
+
+
 def test_compiled_training_step_matches_lazy_steps(rng, reference_backend):
     data = [rng.standard_normal(s).astype(np.float32) for s in ((4, 6), (4, 3))]
     init = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in ((6, 5), (5,), (5, 3))]
 
     def train(compiled: bool):
         x, y = (fl.tensor(a) for a in data)
-        params = [fl.tensor(a.copy()).requires_grad_() for a in init]
-        opt = fl.optim.AdamW(params, lr=0.05)
-
-        def step(x, y):
-            loss = _mlp_loss(x, y, *params)
-            loss.backward()
-            return loss
-
-        run = fl.compile(step) if compiled else step
-        losses = []
-        for _ in range(4):
-            losses.append(run(x, y).item())
-            opt.step()
-            opt.zero_grad()
-        return losses, [p.numpy() for p in params], run
+        return _train(compiled, x, y, init, lr=0.05, steps=4)
 
     lazy_losses, lazy_params, _ = train(False)
     losses, params, run = train(True)
@@ -195,23 +200,7 @@ def test_new_sizes_reuse_compiled_kernels_on_the_gpu(rng):
 def test_compiled_training_step_on_the_gpu(rng):
     x, y = _t(rng, 64, 32), _t(rng, 64, 16)
     init = [rng.standard_normal(s).astype(np.float32) * 0.2 for s in ((32, 48), (48,), (48, 16))]
-    results = []
-    for compiled in (False, True):
-        params = [fl.tensor(a.copy()).requires_grad_() for a in init]
-        opt = fl.optim.AdamW(params, lr=0.01)
-
-        def step(x, y, params=params):
-            loss = _mlp_loss(x, y, *params)
-            loss.backward()
-            return loss
-
-        run = fl.compile(step) if compiled else step
-        losses = []
-        for _ in range(3):
-            losses.append(run(x, y).item())
-            opt.step()
-            opt.zero_grad()
-        results.append((losses, [p.numpy() for p in params]))
+    results = [_train(compiled, x, y, init, lr=0.01, steps=3) for compiled in (False, True)]
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-4)
     for a, b in zip(results[1][1], results[0][1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
