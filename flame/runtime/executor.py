@@ -83,7 +83,7 @@ class Launch:
 
     def launch_into(self, slots: list) -> None:
         """Launch on the current stream with the buffers already in ``slots``."""
-        stream = _cupy().cuda.get_current_stream().ptr
+        stream = _current_stream().ptr
         with self._lock:  # the parameter block is shared by every call of this launch
             for holder, slot in self._buffers:
                 holder.value = slots[slot].data.ptr
@@ -399,6 +399,12 @@ def _cupy():
     import cupy
 
     return cupy
+
+
+def _current_stream():
+    global _current_stream
+    _current_stream = _cupy().cuda.get_current_stream  # bound on first use, as below
+    return _current_stream()
 
 
 def _launch_kernel(*arguments) -> None:
