@@ -94,11 +94,10 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         dims = tuple(inner[d] for d in node.attr("dims"))
         return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
     if get_op(child.op).kind != "elementwise" or id(child) in keep:
-        return node  # graph outputs are written anyway: read them, do not recompute
-    if id(child) in getattr(keep, "stored", ()):
-        # a library call (matmul) reads this value from memory, so it is written anyway:
-        # read it through the view rather than recompute it in another order (transposed:
-        # uncoalesced reads; reshaped for a split reduction: every input read again)
+        # ``keep``: graph outputs, and values a library call (matmul) reads from memory --
+        # written anyway, so read them through the view rather than recompute them in
+        # another order (transposed: uncoalesced reads; reshaped for a split reduction:
+        # every input read again)
         return node
     if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
         return node
@@ -134,16 +133,10 @@ def _same(first: Node, second: Node) -> bool:
     )  # fmt: skip
 
 
-class _Keep(frozenset):
-    """Ids of the graph's outputs, and in ``stored`` the (rewritten) values a library call
-    reads, directly or through views: values that will be in memory whatever else happens."""
-
-    stored: set
-
-
 def simplify(graph: Graph) -> Graph:
-    keep = _Keep(id(node) for node in graph.outputs)
-    keep.stored = set()
+    # values that will be in memory whatever else happens: the outputs, and (added as they
+    # are rewritten) the values library calls read, directly or through views
+    keep = {id(node) for node in graph.outputs}
     library_reads: set[int] = set()
     for node in graph.nodes:
         if get_op(node.op).kind == "library":
@@ -174,5 +167,5 @@ def simplify(graph: Graph) -> Graph:
         result = visit(with_inputs(node, tuple(mapped[id(child)] for child in node.inputs)))
         mapped[id(node)] = result
         if id(node) in library_reads:
-            keep.stored.add(id(result))
+            keep.add(id(result))
     return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
