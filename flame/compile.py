@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import contiguous_strides
+from flame.replay import GraphCache, capturable, fast_replay, flatten, storage_of, unflatten, wrap
 from flame.runtime import events
 from flame.runtime.storage import Storage
 from flame.tensor import Tensor, realize
@@ -107,8 +108,7 @@ class _Trace:
 
 
 def _storage(tensor: Tensor):
-    node = tensor.node
-    return node.buffer if node.buffer is not None else node.attr("storage")
+    return storage_of(tensor.node)
 
 
 def _exact(value):
@@ -121,7 +121,7 @@ def _exact(value):
     return (type(value), value)
 
 
-def _generic(value, backend_of):
+def _generic(value):
     """What changes the code: see the module's docstring."""
     if isinstance(value, Tensor):
         shape = value.node.shape
@@ -149,35 +149,6 @@ def _shown(entry) -> str:
         where = "" if layout == "contiguous" else f", strides {layout[0]}"
         return f"{dtype} rank {rank} [{pattern}] on {backend}{where}"
     return f"{entry[1]} {entry[2]!r}"
-
-
-# --- results: nested tuples, lists and dicts of tensors -------------------------------------
-
-
-def _flatten(result, leaves: list):
-    if isinstance(result, Tensor):
-        leaves.append(result)
-        return "tensor"
-    if result is None:
-        return None
-    if isinstance(result, (tuple, list)):
-        return (type(result), tuple(_flatten(item, leaves) for item in result))
-    if isinstance(result, dict):
-        return (dict, tuple(result), tuple(_flatten(item, leaves) for item in result.values()))
-    raise TypeError(
-        f"flame.compile: the function returned a {type(result).__name__}; return tensors, "
-        "or tuples, lists or dicts of them"
-    )
-
-
-def _unflatten(treedef, leaves):
-    if treedef == "tensor":
-        return next(leaves)
-    if treedef is None:
-        return None
-    if treedef[0] is dict:
-        return {key: _unflatten(item, leaves) for key, item in zip(treedef[1], treedef[2])}
-    return treedef[0](_unflatten(item, leaves) for item in treedef[1])
 
 
 class CompiledFunction:
@@ -269,7 +240,7 @@ class CompiledFunction:
                 raise TypeError(
                     f"flame.compile({self.fn.__qualname__}): static argument {name!r} is a tensor"
                 )
-            generic.append(_generic(value, None))
+            generic.append(_generic(value))
         generic = (tuple(names), *generic)
         sizes = tuple(a.shape for a in args if isinstance(a, Tensor))
         return generic, sizes
@@ -342,7 +313,7 @@ class CompiledFunction:
         finally:
             _tracing.reset(token)
         leaves: list[Tensor] = []
-        treedef = _flatten(result, leaves)
+        treedef = flatten(result, leaves)
         grads = []
         for owner, previous in trace.grads.values():
             grads.append((owner, previous is not None, len(leaves)))
@@ -390,7 +361,7 @@ class CompiledFunction:
         sources = tuple(
             ("arg", position_of[id(node)]) if id(node) in position_of
             else ("grad", previous_grad[id(node)]) if id(node) in previous_grad
-            else ("storage", _storage_of(node))
+            else ("storage", storage_of(node))
             for node in inputs
         )  # fmt: skip
         if backend != "cuda":
@@ -405,9 +376,11 @@ class CompiledFunction:
         program = _Program(tuple(computed), sources, plan, **common)
         if not grads and all(kind != "grad" for kind, _ in sources):
             graphs = None
-            if self.cuda_graph is not False and _capturable(plan, forced=bool(self.cuda_graph)):
-                graphs = _GraphCache(plan, self._info)
-            program.fast = _fast_replay(program, graphs)
+            if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
+                graphs = GraphCache(plan, self._info)
+            program.fast = fast_replay(
+                plan, sources, program.out_nodes, program.flat, program.treedef, graphs
+            )
         return program
 
     def _run(self, program: _Program, args):
@@ -420,7 +393,7 @@ class CompiledFunction:
             owner = owner_ref()
             if owner is not None:
                 owner.grad = flat[index]
-        return _unflatten(program.treedef, iter(flat))
+        return unflatten(program.treedef, iter(flat))
 
     def _source_storage(self, program, kind, value, args):
         if kind == "arg":
@@ -445,7 +418,7 @@ class CompiledFunction:
         ]  # fmt: skip
         slots = default_executor().run(program.plan, arrays)
         return [
-            _wrap(Storage("cuda", node.dtype, array=slots[slot]), node)
+            wrap(Storage("cuda", node.dtype, array=slots[slot]), node.dtype, node.shape, node.site)
             for node, slot in zip(program.out_nodes, program.plan.output_slots)
         ]
 
@@ -458,169 +431,14 @@ class CompiledFunction:
         }  # fmt: skip
         values = evaluate(list(program.out_nodes), inputs=bound, realized=False)
         return [
-            _wrap(Storage("reference", node.dtype, array=value.astype(node.dtype.numpy)), node)
+            wrap(
+                Storage("reference", node.dtype, array=value.astype(node.dtype.numpy)),
+                node.dtype,
+                node.shape,
+                node.site,
+            )
             for node, value in zip(program.out_nodes, values)
         ]
-
-
-def _capturable(plan, forced: bool) -> bool:
-    """CUDA graphs where they are safe and pay: kernels only (a library call allocates its
-    result inside the routine, which a capture cannot replay), and more than one launch
-    unless asked for (one launch is already one launch)."""
-    from flame.runtime.executor import Launch
-
-    if not plan.launches or not all(isinstance(step, Launch) for step in plan.launches):
-        return False
-    return forced or len(plan.launches) > 1
-
-
-class _GraphCache:
-    """The CUDA graphs of one program, keyed by the addresses of its inputs (a capture bakes
-    them in; an input changed in place keeps its address and is read anew at each replay).
-
-    Every buffer the plan writes is allocated once per graph. The outputs of a replay are
-    those buffers, lent to the caller; when a result of the previous replay is still alive at
-    the next one, its values are first moved to memory of its own (its tensor keeps them; a
-    zero-copy view taken of the old memory, e.g. through DLPack, would see the new values)."""
-
-    LIMIT = 4  # graphs kept per program (each holds its buffers)
-
-    def __init__(self, plan, info: CacheInfo):
-        self.plan, self.info = plan, info
-        self.entries: dict[tuple, list] = {}  # addresses -> [graph, slots, lent weakrefs]
-        self.lock = threading.Lock()
-
-    def run(self, arrays: list, outputs: tuple) -> list:
-        import cupy
-
-        key = tuple([array.data.ptr for array in arrays])
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is None:
-                if len(self.entries) >= self.LIMIT:
-                    self.entries.pop(next(iter(self.entries)))
-                entry = self.entries[key] = self._capture(arrays)
-            graph, slots, lent = entry
-            for held in lent:  # a result of the last replay the caller still holds
-                storage = held() if held is not None else None
-                if storage is not None and storage.array is not None:
-                    storage.array = storage.array.copy()  # moved out before it is overwritten
-            graph.launch(cupy.cuda.get_current_stream())
-            self.info.graph_replays += 1
-            results = []
-            for index, (slot, dtype, shape, site) in enumerate(outputs):
-                storage = Storage("cuda", dtype, array=slots[slot])
-                lent[index] = weakref.ref(storage)
-                node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
-                results.append(Tensor(node, "cuda"))
-            return results
-
-    def _capture(self, arrays: list) -> list:
-        import cupy
-
-        plan = self.plan
-        slots = list(arrays) + [None] * (plan.slot_count - len(arrays))
-        for step in plan.launches:
-            step.allocate(slots)
-        current = cupy.cuda.get_current_stream()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        stream.wait_event(current.record())  # inputs queued before the capture are ready
-        with stream:
-            stream.begin_capture()
-            try:
-                for step in plan.launches:
-                    step.launch_into(slots)
-            finally:
-                graph = stream.end_capture()
-        graph.upload(current)
-        self.info.graph_captures += 1
-        return [graph, slots, [None] * len(plan.output_slots)]
-
-
-def _fast_replay(program: _Program, graphs: _GraphCache | None = None):
-    """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
-    binding arguments, launching, and wrapping the results."""
-    from flame.runtime.executor import default_executor
-
-    plan, executor = program.plan, default_executor()
-    sources = tuple(
-        (True, value) if kind == "arg" else (False, value) for kind, value in program.sources
-    )  # fmt: skip
-    outputs = tuple(
-        (slot, node.dtype, node.shape, node.site)
-        for node, slot in zip(program.out_nodes, plan.output_slots)
-    )  # fmt: skip
-    flat, treedef = program.flat, program.treedef
-    single = treedef == "tensor" and flat[0][0] == "out"
-    from flame.runtime.executor import Launch
-
-    if graphs is None and single and len(plan.launches) == 1:
-        launch = plan.launches[0]
-        if isinstance(launch, Launch):
-            return _one_kernel_replay(plan, launch, sources, outputs[0], executor)
-
-    def replay(args):
-        arrays = []
-        for is_arg, value in sources:
-            if is_arg:
-                node = args[value].node
-                storage = node.buffer if node.buffer is not None else node.attr("storage")
-            else:
-                storage = value
-            array = storage.array
-            arrays.append(array if array is not None else storage.device_array())
-        if graphs is not None:
-            values = graphs.run(arrays, outputs)
-        else:
-            slots = executor.run(plan, arrays)
-            values = []
-            for slot, dtype, shape, site in outputs:
-                storage = Storage("cuda", dtype, array=slots[slot])
-                node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
-                values.append(Tensor(node, "cuda"))
-        if single:
-            return values[0]
-        results = [
-            values[item] if kind == "out" else args[item] if kind == "arg" else item
-            for kind, item in flat
-        ]  # fmt: skip
-        return _unflatten(treedef, iter(results))
-
-    return replay
-
-
-def _one_kernel_replay(plan, launch, sources, output, executor):
-    """The commonest small program -- one kernel, one result -- without the general loop."""
-    count = plan.slot_count
-    slot, dtype, shape, site = output
-
-    def replay(args):
-        slots = [None] * count
-        for index, (is_arg, value) in enumerate(sources):
-            if is_arg:
-                node = args[value].node
-                storage = node.buffer if node.buffer is not None else node.attr("storage")
-            else:
-                storage = value
-            array = storage.array
-            slots[index] = array if array is not None else storage.device_array()
-        if events.active():  # the dump is listening: the executor reports the run
-            slots = executor.run(plan, slots[: len(sources)])
-        else:
-            launch.execute(slots)
-        storage = Storage("cuda", dtype, array=slots[slot])
-        return Tensor(Node("buffer", (), (("storage", storage),), dtype, shape, site), "cuda")
-
-    return replay
-
-
-def _storage_of(node: Node):
-    return node.buffer if node.buffer is not None else node.attr("storage")
-
-
-def _wrap(storage: Storage, like: Node) -> Tensor:
-    node = Node("buffer", (), (("storage", storage),), like.dtype, like.shape, like.site)
-    return Tensor(node, storage.backend)
 
 
 def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as torch.compile)

@@ -22,7 +22,7 @@ import numpy as np
 from flame.ir.graph import Graph
 from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
-from flame.runtime.storage import Storage
+from flame.runtime.storage import Storage, storage_of
 from flame.tensor import Tensor, realize
 
 _TRACE_LENGTH = 1 << 20  # the stand-ins' length: any value gives the same code
@@ -77,7 +77,7 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
         kernel = _kernel(traced)
         columns = nodes if indices is None else [[c[i] for i in indices] for c in nodes]
         storages = [
-            [node.buffer if node.buffer is not None else node.attr("storage") for node in column]
+            [storage_of(node) for node in column]
             for column in columns
         ]  # fmt: skip
         shared = {}
@@ -118,9 +118,7 @@ def _check(rule, lists, into):
 
 
 def _array(tensor: Tensor):
-    node = tensor.node
-    storage = node.buffer if node.buffer is not None else node.attr("storage")
-    array = storage.device_array()
+    array = storage_of(tensor.node).device_array()
     if not array.flags.c_contiguous:
         raise ForeachError(f"foreach: a tensor of shape {list(tensor.shape)} is not contiguous")
     return array
@@ -212,7 +210,7 @@ def _foreach_reference(rule, lists, scalars, into):
         realize(*results)
         for result, position in zip(results, into):
             target = lists[position][index]
-            writable_array(_storage(target))[...] = result.numpy().astype(target.dtype.numpy)
+            writable_array(storage_of(target.node))[...] = result.numpy().astype(target.dtype.numpy)
 
 
 def writable_array(storage):
@@ -223,8 +221,3 @@ def writable_array(storage):
     if not array.flags.writeable or array.base is not None:
         storage.array = array = np.array(array, copy=True)
     return array
-
-
-def _storage(tensor: Tensor):
-    node = tensor.node
-    return node.buffer if node.buffer is not None else node.attr("storage")

@@ -59,10 +59,8 @@ class Adam(Optimizer):
     def _update(self, group, params):
         by_step: dict[int, list] = {}
         amsgrad = group["amsgrad"]
-        states = self.state._states
         for param in params:
-            entry = states.get(id(param))
-            state = entry[1] if entry is not None else self.state.setdefault(param)
+            state = self.state.setdefault(param)
             if not state:
                 state["step"] = 0.0
                 state["exp_avg"] = zeros_state(param)

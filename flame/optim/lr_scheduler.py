@@ -3,10 +3,11 @@ the optimizer hands the rate to its kernel as data, so no schedule ever recompil
 
 from __future__ import annotations
 
+import abc
 import math
 
 
-class LRScheduler:
+class LRScheduler(abc.ABC):
     def __init__(self, optimizer, last_epoch: int = -1):
         self.optimizer = optimizer
         if last_epoch == -1:
@@ -16,8 +17,9 @@ class LRScheduler:
         self.last_epoch = last_epoch
         self.step()
 
+    @abc.abstractmethod
     def lr_at(self, base_lr: float, epoch: int) -> float:
-        raise NotImplementedError
+        """The rate at ``epoch`` for a group whose initial rate is ``base_lr``."""
 
     def step(self) -> None:
         self.last_epoch += 1

@@ -7,6 +7,7 @@ state (momentum, moments) lives in buffers the optimizer owns.
 
 from __future__ import annotations
 
+import abc
 import copy
 
 import numpy as np
@@ -43,7 +44,7 @@ class ParamState:
         self._states.clear()
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     def __init__(self, params, defaults: dict):
         self.defaults = dict(defaults)
         self.param_groups: list[dict] = []
@@ -104,8 +105,9 @@ class Optimizer:
                 self._update(group, with_grad)
         return loss
 
+    @abc.abstractmethod
     def _update(self, group: dict, params: list[Tensor]) -> None:
-        raise NotImplementedError
+        """One step for ``params`` (those of ``group`` that have a gradient)."""
 
     # --- state_dict ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

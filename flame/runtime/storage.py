@@ -62,6 +62,11 @@ class Storage:
         return self.array.data.ptr % vector_bytes == 0
 
 
+def storage_of(node) -> Storage:
+    """The memory of a realized node (its memo) or of a data leaf (its attribute)."""
+    return node.buffer if node.buffer is not None else node.attr("storage")
+
+
 def _contiguous(shape):
     strides, step = [], 1
     for size in reversed(shape):

@@ -1,0 +1,191 @@
+"""Replaying a prepared CUDA program: bind the arguments' memory, launch the plan (or its
+captured CUDA graph), wrap the results as tensors. ``flame.compile`` traces and plans; this
+module is the per-call path, so it does as little as it can.
+
+Also here: how a function's result (nested tuples, lists and dicts of tensors) is flattened
+to the program's outputs and rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from flame.ir.node import Node
+from flame.runtime import events
+from flame.runtime.storage import Storage, storage_of
+from flame.tensor import Tensor
+
+
+def wrap(storage: Storage, dtype, shape, site) -> Tensor:
+    node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
+    return Tensor(node, storage.backend)
+
+
+def bind_arrays(sources: tuple, args) -> list:
+    """The device arrays of a plan's inputs: ``sources`` holds, per input, (True, argument
+    position) or (False, Storage) for memory the function closed over."""
+    arrays = []
+    for is_arg, value in sources:
+        storage = storage_of(args[value].node) if is_arg else value
+        array = storage.array
+        arrays.append(array if array is not None else storage.device_array())
+    return arrays
+
+
+# --- results: nested tuples, lists and dicts of tensors -------------------------------------
+
+
+def flatten(result, leaves: list):
+    if isinstance(result, Tensor):
+        leaves.append(result)
+        return "tensor"
+    if result is None:
+        return None
+    if isinstance(result, (tuple, list)):
+        return (type(result), tuple(flatten(item, leaves) for item in result))
+    if isinstance(result, dict):
+        return (dict, tuple(result), tuple(flatten(item, leaves) for item in result.values()))
+    raise TypeError(
+        f"flame.compile: the function returned a {type(result).__name__}; return tensors, "
+        "or tuples, lists or dicts of them"
+    )
+
+
+def unflatten(treedef, leaves):
+    if treedef == "tensor":
+        return next(leaves)
+    if treedef is None:
+        return None
+    if treedef[0] is dict:
+        return {key: unflatten(item, leaves) for key, item in zip(treedef[1], treedef[2])}
+    return treedef[0](unflatten(item, leaves) for item in treedef[1])
+
+
+def capturable(plan, forced: bool) -> bool:
+    """CUDA graphs where they are safe and pay: kernels only (a library call allocates its
+    result inside the routine, which a capture cannot replay), and more than one launch
+    unless asked for (one launch is already one launch)."""
+    from flame.runtime.executor import Launch
+
+    if not plan.launches or not all(isinstance(step, Launch) for step in plan.launches):
+        return False
+    return forced or len(plan.launches) > 1
+
+
+class GraphCache:
+    """The CUDA graphs of one program, keyed by the addresses of its inputs (a capture bakes
+    them in; an input changed in place keeps its address and is read anew at each replay).
+
+    Every buffer the plan writes is allocated once per graph. The outputs of a replay are
+    those buffers, lent to the caller; when a result of the previous replay is still alive at
+    the next one, its values are first moved to memory of its own (its tensor keeps them; a
+    zero-copy view taken of the old memory, e.g. through DLPack, would see the new values)."""
+
+    LIMIT = 4  # graphs kept per program (each holds its buffers)
+
+    def __init__(self, plan, info):  # info: the CacheInfo counting captures
+        self.plan, self.info = plan, info
+        self.entries: dict[tuple, list] = {}  # addresses -> [graph, slots, lent weakrefs]
+        self.lock = threading.Lock()
+
+    def run(self, arrays: list, outputs: tuple) -> list:
+        import cupy
+
+        key = tuple([array.data.ptr for array in arrays])
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                if len(self.entries) >= self.LIMIT:
+                    self.entries.pop(next(iter(self.entries)))
+                entry = self.entries[key] = self._capture(arrays)
+            graph, slots, lent = entry
+            for held in lent:  # a result of the last replay the caller still holds
+                storage = held() if held is not None else None
+                if storage is not None and storage.array is not None:
+                    storage.array = storage.array.copy()  # moved out before it is overwritten
+            graph.launch(cupy.cuda.get_current_stream())
+            self.info.graph_replays += 1
+            results = []
+            for index, (slot, dtype, shape, site) in enumerate(outputs):
+                storage = Storage("cuda", dtype, array=slots[slot])
+                lent[index] = weakref.ref(storage)
+                results.append(wrap(storage, dtype, shape, site))
+            return results
+
+    def _capture(self, arrays: list) -> list:
+        import cupy
+
+        plan = self.plan
+        slots = list(arrays) + [None] * (plan.slot_count - len(arrays))
+        for step in plan.launches:
+            step.allocate(slots)
+        current = cupy.cuda.get_current_stream()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(current.record())  # inputs queued before the capture are ready
+        with stream:
+            stream.begin_capture()
+            try:
+                for step in plan.launches:
+                    step.launch_into(slots)
+            finally:
+                graph = stream.end_capture()
+        graph.upload(current)
+        self.info.graph_captures += 1
+        return [graph, slots, [None] * len(plan.output_slots)]
+
+
+def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | None = None):
+    """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
+    binding arguments, launching, and wrapping the results. ``sources``: per plan input,
+    ("arg", position) or ("storage", Storage); ``flat``: per flat result, ("out", index),
+    ("arg", position) or ("fixed", tensor)."""
+    from flame.runtime.executor import Launch, default_executor
+
+    executor = default_executor()
+    sources = tuple((kind == "arg", value) for kind, value in sources)
+    outputs = tuple(
+        (slot, node.dtype, node.shape, node.site)
+        for node, slot in zip(out_nodes, plan.output_slots)
+    )  # fmt: skip
+    single = treedef == "tensor" and flat[0][0] == "out"
+    if graphs is None and single and len(plan.launches) == 1:
+        launch = plan.launches[0]
+        if isinstance(launch, Launch):
+            return _one_kernel_replay(plan, launch, sources, outputs[0], executor)
+
+    def replay(args):
+        arrays = bind_arrays(sources, args)
+        if graphs is not None:
+            values = graphs.run(arrays, outputs)
+        else:
+            slots = executor.run(plan, arrays)
+            values = [
+                wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+                for slot, dtype, shape, site in outputs
+            ]  # fmt: skip
+        if single:
+            return values[0]
+        results = [
+            values[item] if kind == "out" else args[item] if kind == "arg" else item
+            for kind, item in flat
+        ]  # fmt: skip
+        return unflatten(treedef, iter(results))
+
+    return replay
+
+
+def _one_kernel_replay(plan, launch, sources, output, executor):
+    """The commonest small program -- one kernel, one result -- without the general loop."""
+    count = plan.slot_count
+    slot, dtype, shape, site = output
+
+    def replay(args):
+        slots = bind_arrays(sources, args) + [None] * (count - len(sources))
+        if events.active():  # the dump is listening: the executor reports the run
+            slots = executor.run(plan, slots[: len(sources)])
+        else:
+            launch.execute(slots)
+        return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+
+    return replay
