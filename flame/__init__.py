@@ -5,6 +5,7 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 """
 
 from flame import (
+    interop,  # noqa: F401  (Tensor.copy_, data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
     optim,  # noqa: E402  (written with the public ops above)
 )

@@ -133,81 +133,6 @@ class Tensor:
             raise TypeError(f"only integer tensors can be used as an index, not {self.dtype.name}")
         return int(self.item())
 
-    def copy_(self, source) -> Tensor:
-        """Write ``source`` (broadcast, cast to this dtype) into this tensor's memory in place,
-        as PyTorch's ``copy_``: the memory keeps its address, so everything that reads it
-        (a compiled function closing over a weight, an optimizer's state) sees the new
-        values without retracing."""
-        from flame.creation import tensor as make_tensor
-
-        if not isinstance(source, Tensor):
-            source = make_tensor(np.asarray(source), dtype=self.dtype)
-        if source.backend != self.backend:
-            raise ValueError(
-                f"copy_: source is on the {source.backend} backend, this tensor on {self.backend}"
-            )
-        try:
-            broadcast_shapes(source.shape, self.shape)
-        except ShapeError:
-            raise ShapeError(
-                f"copy_: cannot broadcast a source of shape {list(source.shape)} to this "
-                f"tensor's shape {list(self.shape)} [at {format_site(user_site())}]"
-            ) from None
-        if broadcast_shapes(source.shape, self.shape) != self.shape:
-            raise ShapeError(
-                f"copy_: a source of shape {list(source.shape)} does not fit this tensor's "
-                f"shape {list(self.shape)} [at {format_site(user_site())}]"
-            )
-        storage = self._storage()
-        values = source.to(self.dtype)
-        if values.shape != self.shape:
-            values = values.broadcast_to(self.shape)
-        values = values._storage()
-        if storage.backend == "reference":
-            from flame.foreach import writable_array
-
-            writable_array(storage)[...] = np.asarray(values.numpy()).reshape(self.shape)
-        else:
-            storage.device_array()[...] = values.device_array().reshape(self.shape)
-        return self
-
-    def data_ptr(self) -> int:
-        """The address of this tensor's memory on the GPU (realizes it), as PyTorch's."""
-        storage = self._storage()
-        if storage.backend != "cuda":
-            raise ValueError("data_ptr: a reference-backend tensor lives in NumPy memory")
-        return storage.device_array().data.ptr
-
-    # --- interop (realizes) ---------------------------------------------------------------
-    def __dlpack__(self, stream=None, **kwargs):
-        storage = self._storage()
-        if storage.backend == "reference" or storage.array is None:
-            return np.ascontiguousarray(storage.numpy()).__dlpack__(**_numpy_dlpack_args(kwargs))
-        if self.dtype is dtypes.bfloat16:  # CuPy holds it as uint16: relabel the capsule
-            from flame.runtime.dlpack import K_DL_BFLOAT, relabel
-
-            capsule = storage.device_array().__dlpack__(stream=stream, **kwargs)
-            return relabel(capsule, K_DL_BFLOAT, 16)
-        return storage.device_array().__dlpack__(stream=stream, **kwargs)
-
-    def __dlpack_device__(self):
-        if self.backend == "reference":
-            return (1, 0)  # kDLCPU
-        import cupy
-
-        return (2, cupy.cuda.runtime.getDevice())  # kDLCUDA
-
-    @property
-    def __cuda_array_interface__(self):
-        if self.backend != "cuda":
-            raise AttributeError("a reference-backend tensor lives on the CPU")
-        if self.dtype is dtypes.bfloat16:
-            raise AttributeError(
-                "the CUDA array interface has no bfloat16 type; use DLPack (torch.from_dlpack, "
-                "jax.dlpack.from_dlpack), which does"
-            )
-        return self._storage().device_array().__cuda_array_interface__
-
     # --- casts ------------------------------------------------------------------------------
     def to(self, dtype) -> Tensor:
         target = dtypes.dtype(dtype)
@@ -250,10 +175,6 @@ class Tensor:
 
     def __invert__(self):
         return apply("bitwise_not", self)
-
-
-def _numpy_dlpack_args(kwargs):
-    return {key: value for key, value in kwargs.items() if key in ("max_version", "copy")}
 
 
 def _caller_site():

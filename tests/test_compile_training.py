@@ -294,3 +294,13 @@ def test_a_compiled_program_on_the_reference_backend_is_reported_once(rng, refer
     reported = [data["outputs"] for kind, data in seen if kind == "reference"]
     assert len(reported) == 1  # at trace time: the dump renders its kernels from it
     assert [kind for kind, _ in seen].count("trace") == 1
+
+
+def test_copy_into_a_tensor_checks_the_source(rng, reference_backend):
+    w = _t(rng, 3, 4).realize()
+    w.copy_(np.arange(4, dtype=np.float32))  # broadcast along the rows
+    np.testing.assert_array_equal(w.numpy(), np.tile(np.arange(4, dtype=np.float32), (3, 1)))
+    with pytest.raises(fl.ShapeError, match=r"copy_: cannot broadcast a source of shape \[3, 5\]"):
+        w.copy_(np.ones((3, 5), np.float32))
+    with pytest.raises(fl.ShapeError, match=r"copy_: .*shape \[2, 3, 4\]"):
+        w.copy_(np.ones((2, 3, 4), np.float32))  # broadcasts, but to a larger shape
