@@ -23,7 +23,7 @@ from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
-from flame.runtime import events
+from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import device_info
 from flame.runtime.storage import Storage
@@ -462,4 +462,5 @@ def default_executor() -> Executor:
     with _executor_lock:
         if _executor is None:
             _executor = Executor()
+            warmup.start()  # cuBLAS initializes while the first plans are built
         return _executor
