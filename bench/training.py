@@ -350,11 +350,13 @@ def markdown(report: dict) -> str:
             )
         if "first_step_cold" in m:
             cold, warm = m["first_step_cold"], m["first_step_warm"]
+            runs = ", ".join(f"{run:.3f}" for run in warm.get("runs_s", []))
             lines += [
                 "",
                 f"FLAME first step in a new process, from inputs on the GPU to the step done: "
                 f"cold kernel cache {cold['first_step_s']:.3f} s, warm disk cache "
-                f"{warm['first_step_s']:.3f} s (importing flame before that: "
+                f"{warm['first_step_s']:.3f} s (median of 3 processes: "
+                f"{runs}; importing flame before that: "
                 f"{cold['import_s']:.2f} s / {warm['import_s']:.2f} s)",
             ]
     return "\n".join(lines) + "\n"
@@ -373,13 +375,17 @@ def main(argv=None) -> int:
 
     report = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     chosen = arguments.only or ["adamw", "mlp"]
+    first_steps = {}
+    if "mlp" in chosen:  # new processes first, while no peer has left workers or memory behind
+        cache = Path(tempfile.mkdtemp(prefix="flame-first-step-"))
+        first_steps["first_step_cold"] = first_step_process(arguments.quick, cache)
+        warm = [first_step_process(arguments.quick, cache) for _ in range(3)]
+        median = sorted(warm, key=lambda run: run["first_step_s"])[1]
+        first_steps["first_step_warm"] = {**median, "runs_s": [r["first_step_s"] for r in warm]}
     if "adamw" in chosen:
         report["adamw"] = adamw(arguments.quick, arguments.repeats)
     if "mlp" in chosen:
-        report["mlp"] = mlp(arguments.quick, arguments.repeats)
-        cache = Path(tempfile.mkdtemp(prefix="flame-first-step-"))
-        report["mlp"]["first_step_cold"] = first_step_process(arguments.quick, cache)
-        report["mlp"]["first_step_warm"] = first_step_process(arguments.quick, cache)
+        report["mlp"] = {**mlp(arguments.quick, arguments.repeats), **first_steps}
     (arguments.out / "training.json").write_text(json.dumps(report, indent=2))
     text = markdown(report)
     (arguments.out / "training.md").write_text(text)

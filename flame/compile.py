@@ -74,6 +74,7 @@ class CacheInfo:
     reasons: list = field(default_factory=list)  # why each miss or re-plan happened
     graph_captures: int = 0  # CUDA graphs captured (one per program and input addresses)
     graph_replays: int = 0  # calls replayed as one CUDA-graph launch
+    graph_failures: list = field(default_factory=list)  # captures that failed, and why
 
 
 @dataclass
@@ -447,7 +448,9 @@ def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as 
     ``static_argnames``: parameters whose values select code (their values are part of the
     signature; passing a tensor there is an error). ``cuda_graph``: None (default) captures
     programs of several kernels and no library calls as CUDA graphs, replayed with one
-    launch; True also captures single-kernel programs; False never captures."""
+    launch; True also captures single-kernel programs and programs with cuBLAS products or
+    joins (flame/replay.py ``capturable`` says why that is not the default); False never
+    captures."""
     if fn is None:
         return functools.partial(compile, static_argnames=static_argnames, cuda_graph=cuda_graph)
     return CompiledFunction(fn, static_argnames, cuda_graph)

@@ -18,9 +18,11 @@ def test_switch_turns_it_off(monkeypatch):
 
 
 def test_library_path_reads_the_process_maps():
-    python_lib = warmup._library_path("libc.so")  # every Linux CPython maps the C library
+    from flame.runtime.cublas import mapped_library
+
+    python_lib = mapped_library("libc.so")  # every Linux CPython maps the C library
     assert python_lib is not None and "libc.so" in python_lib
-    assert warmup._library_path("libflame-no-such-library.so") is None
+    assert mapped_library("libflame-no-such-library.so") is None
 
 
 @pytest.mark.gpu

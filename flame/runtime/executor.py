@@ -92,6 +92,11 @@ class Launch:
             )
 
 
+# Library routines known to run inside a CUDA-graph capture: device work only, no host
+# synchronization, results in memory they allocate (the capture keeps it).
+CAPTURABLE_LIBRARY_OPS = frozenset({"matmul", "cat", "pad"})
+
+
 @dataclass(frozen=True)
 class LibraryCall:
     """A node computed by a library routine (cuBLAS, CuPy): see flame/runtime/library.py."""

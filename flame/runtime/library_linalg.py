@@ -1,4 +1,5 @@
-"""``matmul`` on the GPU: cuBLAS ``gemmEx`` / ``gemmStridedBatchedEx`` through CuPy.
+"""``matmul`` on the GPU: cuBLAS ``gemmEx`` / ``gemmStridedBatchedEx`` (flame/runtime/cublas.py:
+bound with ctypes, so products can be captured into CUDA graphs).
 
 All three float dtypes take one path (CuPy's ``matmul`` would choose its own compute type
 and copy non-contiguous inputs): float32 computes in IEEE float32 (``CUBLAS_COMPUTE_32F``,
@@ -225,34 +226,38 @@ def _rebased(call: GemmCall, bases, sign: int) -> GemmCall:
 def _math_mode(handle, precision: str, dtype_name: str):
     """Keep TF32 off for float32 "highest" even when the handle was set to allow it
     (CuPy does that under CUPY_TF32=1); restore the handle's mode afterwards."""
-    from cupy.cuda import cublas
+    from flame.runtime import cublas
 
-    mode = cublas.getMathMode(handle)
     strict = dtype_name == "float32" and precision == "highest"
-    if not strict or (mode & 0xF) != CUBLAS_TF32_TENSOR_OP_MATH:
+    if not strict:
         yield
         return
-    cublas.setMathMode(handle, (mode & ~0xF) | CUBLAS_DEFAULT_MATH)
+    mode = cublas.math_mode(handle)
+    if (mode & 0xF) != CUBLAS_TF32_TENSOR_OP_MATH:
+        yield
+        return
+    cublas.library().SetMathMode(handle, (mode & ~0xF) | CUBLAS_DEFAULT_MATH)
     try:
         yield
     finally:
-        cublas.setMathMode(handle, mode)
+        cublas.library().SetMathMode(handle, mode)
 
 
 def _issue(call: GemmCall, handle: int, data_type: int, compute_type: int) -> None:
-    from cupy.cuda import cublas
+    from flame.runtime.cublas import library
 
+    cublas = library()
     largest = max(call.m, call.n, call.k, call.lda, call.ldb, call.ldc, call.count)
     if largest > INT_LIMIT:
         raise ValueError(f"matmul: size {largest} exceeds cuBLAS's int range")
     head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, _ONE_POINTER)
     if call.count == 1:
-        cublas.gemmEx(
+        cublas.GemmEx(
             *head, call.a, data_type, call.lda, call.b, data_type, call.ldb,
             _ZERO_POINTER, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
         return
-    cublas.gemmStridedBatchedEx(
+    cublas.GemmStridedBatchedEx(
         *head, call.a, data_type, call.lda, call.stride_a, call.b, data_type, call.ldb,
         call.stride_b, _ZERO_POINTER, call.c, data_type, call.ldc, call.stride_c,
         call.count, compute_type, CUBLAS_GEMM_DEFAULT,
@@ -262,7 +267,8 @@ def _issue(call: GemmCall, handle: int, data_type: int, compute_type: int) -> No
 @implements("matmul")
 def matmul(node: Node, arrays: list):
     import cupy
-    from cupy.cuda import cublas
+
+    from flame.runtime.cublas import library
 
     left, right = arrays
     dtype = node.inputs[0].dtype
@@ -282,7 +288,7 @@ def matmul(node: Node, arrays: list):
     if dtype is dtypes.float32 and precision == "tf32":
         compute = CUBLAS_COMPUTE_32F_FAST_TF32
     handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    library().SetStream(handle, cupy.cuda.get_current_stream().ptr)
     with _math_mode(handle, precision, dtype.name):
         for call in calls:
             _issue(call, handle, CUDA_DATA_TYPE[dtype.name], compute)

@@ -13,6 +13,7 @@ will initialize cuBLAS itself and report its own errors.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -33,56 +34,40 @@ def start() -> threading.Thread | None:
     _started.set()
     thread = threading.Thread(target=warm_now, name="flame-cublas-warmup", daemon=True)
     thread.start()
+    # a process that ends while cuBLAS is starting would tear CUDA down under the thread
+    atexit.register(thread.join, 30.0)
     return thread
-
-
-def _library_path(fragment: str) -> str | None:
-    """The path of a shared library already mapped into this process."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip().split(" ")[-1]
-                if fragment in os.path.basename(path):
-                    return path
-    except OSError:
-        return None
-    return None
 
 
 def warm_now() -> bool:
     """One tiny product per dtype through a handle of its own; True when all ran."""
     try:
         import cupy
-        from cupy.cuda import cublas  # noqa: F401  (CuPy maps libcublas: we use that one)
 
-        path = _library_path("libcublas.so")
-        if path is None:
-            return False
-        lib = ctypes.CDLL(path)
+        from flame.runtime.cublas import library
+
+        lib = library()  # CuPy loads libcublas; its entry points bound with ctypes
         handle = ctypes.c_void_p()
-        if lib.cublasCreate_v2(ctypes.byref(handle)) != 0:
-            return False
-        statuses = []
+        lib.Create(ctypes.byref(handle))
         stream = cupy.cuda.Stream(non_blocking=True)
         try:
-            lib.cublasSetStream_v2(handle, ctypes.c_void_p(stream.ptr))
+            lib.SetStream(handle, stream.ptr)
             with stream:
                 buffer = cupy.zeros(3 * _SIZE * _SIZE, dtype=cupy.float32)
                 alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
                 step = 4 * _SIZE * _SIZE  # bytes of one float32 matrix
-                pointers = [ctypes.c_void_p(buffer.data.ptr + i * step) for i in range(3)]
+                a, b, c = (buffer.data.ptr + i * step for i in range(3))
                 for data_type in (_CUDA_R_16BF, _CUDA_R_16F, _CUDA_R_32F):
-                    status = lib.cublasGemmEx(
-                        handle, 0, 0, _SIZE, _SIZE, _SIZE, ctypes.byref(alpha),
-                        pointers[0], data_type, _SIZE, pointers[1], data_type, _SIZE,
-                        ctypes.byref(beta), pointers[2], data_type, _SIZE,
+                    lib.GemmEx(
+                        handle, 0, 0, _SIZE, _SIZE, _SIZE, ctypes.addressof(alpha),
+                        a, data_type, _SIZE, b, data_type, _SIZE,
+                        ctypes.addressof(beta), c, data_type, _SIZE,
                         _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
                     )  # fmt: skip
-                    statuses.append(status)
                 stream.synchronize()
                 del buffer
         finally:
-            lib.cublasDestroy_v2(handle)
-        return statuses == [0, 0, 0]
+            lib.Destroy(handle)
+        return True
     except Exception:  # noqa: BLE001  best effort: the real call reports real errors
         return False
