@@ -13,7 +13,9 @@ write) over a row in one kernel. Two layouts:
 A block-mode group may also hold *strip* reductions (``flame/ir/passes/row_columns.py``):
 reductions over axis 1 of ``(P, S, *row)``, the rows cut into P strips of S rows. Then a block
 owns a strip, each thread keeps the partial results of its columns in registers over the
-strip's rows (accumulated in the last pass, with the row outputs) and writes them at the end.
+strip's rows (accumulated in the last pass, with the row outputs) and writes them at the end:
+as partial rows, or added atomically into their total (``reduce_strips.py``). Operand
+addressing and loads live in ``reduce_loads.py``.
 """
 
 from __future__ import annotations
