@@ -39,6 +39,7 @@ from flame.creation import (
     zeros,
     zeros_like,
 )  # fmt: skip
+from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
 from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
@@ -111,6 +112,7 @@ _activate_dump()  # FLAME_DUMP=DIR: record this program, write the dump at exit
 
 __all__ = [
     "DType", "ShapeError", "Tensor", "__version__", "arange", "backend", "bfloat16", "bool_",
+    "are_deterministic_algorithms_enabled", "use_deterministic_algorithms",
     "clamp", "float16", "float32", "from_dlpack", "from_numpy", "full", "full_like",
     "get_backend", "int32", "int64", "ones", "ones_like", "promote_types", "rand", "rand_like",
     "randn", "randn_like", "realize", "synchronize", "tensor", "zeros", "zeros_like",

@@ -1,7 +1,11 @@
 """Row kernels that also reduce columns (flame/ir/passes/row_columns.py): layer norm's forward
 and backward read x and dy once; the row kernel accumulates dw and db over strips of rows in
-registers and a small kernel sums the strips. CPU tier: the plan's shape and NVRTC compiles
-every kernel; gpu tier: values against the float64 reference interpreter."""
+registers. By default (float32 sums) it adds each strip's partial sums into the zeroed result
+with atomicAdd: one kernel, no strips x columns buffer. With deterministic algorithms
+(``fl.use_deterministic_algorithms(True)``) it writes one partial row per strip and a small
+kernel sums them in a fixed order. CPU tier: the plan's shape, the planned peak and NVRTC
+compiles every kernel in both modes; gpu tier: values against the float64 reference
+interpreter in both modes, and bitwise-identical reruns in deterministic mode."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from flame.ir.ops import get_op
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.split import ROW_COLUMN_VALUES, _strips
 from flame.runtime.compiler import nvrtc_compile
-from flame.runtime.executor import _layout_of
+from flame.runtime.executor import _launch, _layout_of, _plan_memory
 from flame.runtime.reference import evaluate
 
 F = fl.nn.functional
@@ -71,32 +75,91 @@ def test_strips_divide_the_rows():
     assert _strips(16381) is None  # a prime: the column kernel keeps its own split
 
 
-def test_layer_norm_fwd_bwd_is_one_row_kernel_and_a_strip_sum(cuda_backend, rng):
+def test_layer_norm_fwd_bwd_is_one_row_kernel_adding_atomically(cuda_backend, rng):
+    """The default: the row kernel also takes over the sum of the strips' partial rows."""
     y, dx, dw, db = _layer_norm_fwd_bwd(rng, (16384, 4096))
     graph = _plan((y, dx, dw, db))
+    assert len(graph.groups) == 1, [g.outputs for g in graph.groups]
+    (rows,) = graph.groups
+    assert _kinds(rows) == 3  # row statistics, strip sums and their totals in one kernel
+    # y, dx, dw and db: no partial rows, no row statistics written
+    assert [o.shape for o in rows.outputs] == [(16384, 4096)] * 2 + [(4096,)] * 2
+    lowered = lower_group(rows, _layout_of)
+    assert lowered.zeroed == (2, 3) and lowered.grid_items == 256
+    spec = lowered.spec
+    assert spec.extras["column_declare"] and spec.extras["min_blocks"] == 2
+    stores = spec.extras["column_store"]  # a float4 atomic a chunk (scalar ones before sm_90)
+    assert sum("atomicAdd(reinterpret_cast<float4*>" in line for line in stores) == 2
+    assert sum(arg.kind == "in" for arg in spec.params) == 4  # x, w, b, dy
+
+
+def test_deterministic_layer_norm_fwd_bwd_keeps_the_strip_sum(cuda_backend, rng):
+    with fl.use_deterministic_algorithms(True):
+        graph = _plan(_layer_norm_fwd_bwd(rng, (16384, 4096)))
     assert len(graph.groups) == 2, [g.outputs for g in graph.groups]
     rows, sums = graph.groups
     assert _kinds(rows) == 2  # row statistics and strip sums in one kernel
     # y, dx and one partial row per strip for dw and db: no row statistics written
     assert [o.shape for o in rows.outputs] == [(16384, 4096)] * 2 + [(256, 1, 4096)] * 2
     assert [o.shape for o in sums.outputs] == [(4096,), (4096,)]
-    spec = lower_group(rows, _layout_of).spec
-    assert spec.extras["column_declare"] and spec.extras["min_blocks"] == 2
-    assert lower_group(rows, _layout_of).grid_items == 256
-    # x and dy are each one kernel parameter: the strip sums read the row kernel's loads
-    assert sum(arg.kind == "in" for arg in spec.params) == 4  # x, w, b, dy
+    lowered = lower_group(rows, _layout_of)
+    assert lowered.zeroed == () and lowered.grid_items == 256
+    assert not any("atomic" in line for line in lowered.spec.extras["column_store"])
+
+
+def test_deterministic_mode_is_scoped(monkeypatch):
+    monkeypatch.delenv("FLAME_DETERMINISTIC", raising=False)
+    assert not fl.are_deterministic_algorithms_enabled()  # the default: atomics allowed
+    with fl.use_deterministic_algorithms(True):
+        assert fl.are_deterministic_algorithms_enabled()
+        with fl.use_deterministic_algorithms(False):
+            assert not fl.are_deterministic_algorithms_enabled()
+        assert fl.are_deterministic_algorithms_enabled()
+    assert not fl.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("FLAME_DETERMINISTIC", "1")
+    assert fl.are_deterministic_algorithms_enabled()
+    with fl.use_deterministic_algorithms(False):
+        assert not fl.are_deterministic_algorithms_enabled()
+
+
+def _planned_peak(graph) -> int:
+    """The executor's planned peak for a graph of reduce kernels (no GPU: nothing loads)."""
+    inputs = graph.inputs
+    slot_of = {id(node): index for index, node in enumerate(inputs)}
+    for group in graph.groups:
+        for output in group.outputs:
+            slot_of[id(output)] = len(slot_of)
+    launches = [_launch(lower_group(group, _layout_of), None, slot_of) for group in graph.groups]
+    outputs = tuple(slot_of[id(node)] for node in graph.outputs)
+    return _plan_memory(launches, len(inputs), outputs, graph, slot_of)[1]
+
+
+def test_planned_peak_has_no_partial_rows(cuda_backend, rng):
+    """Atomic: y, dx, dw and db only; deterministic: the 2 x 256 x 4096 partial rows too."""
+    outputs = _layer_norm_fwd_bwd(rng, (16384, 4096))
+    results = 2 * 16384 * 4096 * 4 + 2 * 4096 * 4
+    assert _planned_peak(_plan(outputs)) == results
+    with fl.use_deterministic_algorithms(True):
+        assert _planned_peak(_plan(outputs)) == results + 2 * 256 * 4096 * 4
 
 
 def test_three_d_layer_norm_joins_too(cuda_backend, rng):
     graph = _plan(_layer_norm_fwd_bwd(rng, (4, 2048, 512)))
+    assert len(graph.groups) == 1
+    assert _kinds(graph.groups[0]) == 3
+
+
+def test_half_precision_sums_keep_their_partial_rows(cuda_backend, rng):
+    """A bfloat16 dw has no float32 result to add into: the strips write partial rows."""
+    graph = _plan(_layer_norm_fwd_bwd(rng, (4096, 768), "bfloat16"))
     assert len(graph.groups) == 2
-    assert _kinds(graph.groups[0]) == 2
+    assert [o.shape for o in graph.groups[0].outputs][2:] == [(256, 1, 768)] * 2
 
 
 def test_softmax_and_a_column_sum_of_its_rows_share_a_kernel(cuda_backend, rng):
     graph = _plan(_softmax_and_column_sum(rng, (8192, 256)))
-    assert len(graph.groups) == 2
-    assert _kinds(graph.groups[0]) == 2
+    assert len(graph.groups) == 1
+    assert _kinds(graph.groups[0]) == 3
 
 
 def test_long_rows_keep_a_column_kernel(cuda_backend, rng):
@@ -125,9 +188,11 @@ BUILDS = [
 ]
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("name,build", BUILDS, ids=[b[0] for b in BUILDS])
-def test_kernels_compile_with_nvrtc(name, build, cuda_backend, rng, nvrtc):
-    graph = _plan(build(rng))
+def test_kernels_compile_with_nvrtc(name, build, deterministic, cuda_backend, rng, nvrtc):
+    with fl.use_deterministic_algorithms(deterministic):
+        graph = _plan(build(rng))
     for group in graph.groups:
         if group.kind == "library":
             continue
@@ -137,7 +202,7 @@ def test_kernels_compile_with_nvrtc(name, build, cuda_backend, rng, nvrtc):
 
 def test_streamed_rows_still_join(cuda_backend, rng):
     graph = _plan(_many_rows_streamed(rng, (4096, ROW_COLUMN_VALUES)))
-    assert len(graph.groups) == 2
+    assert len(graph.groups) == 1
     spec = lower_group(graph.groups[0], _layout_of).spec
     assert spec.extras["cache_items"] == 0 and spec.extras["loop_items"] > 0
 
@@ -153,11 +218,13 @@ def _relative_error(result, expected):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("name,build", BUILDS, ids=[b[0] for b in BUILDS])
-def test_gpu_values_match_the_reference(name, build, rng):
-    outputs = build(rng)
-    expected = evaluate([t.node for t in outputs], precision=np.float64, realized=False)
-    fl.realize(*outputs)
+def test_gpu_values_match_the_reference(name, build, deterministic, rng):
+    with fl.use_deterministic_algorithms(deterministic):
+        outputs = build(rng)
+        expected = evaluate([t.node for t in outputs], precision=np.float64, realized=False)
+        fl.realize(*outputs)
     dtype = "bfloat16" if "bf16" in name else "float16" if "fp16" in name else "float32"
     for tensor, reference in zip(outputs, expected):
         result = tensor.to(fl.float32).numpy()
@@ -167,11 +234,33 @@ def test_gpu_values_match_the_reference(name, build, rng):
 
 @pytest.mark.gpu
 def test_gpu_strip_sums_are_deterministic():
-    """No atomics: the same inputs give the same bits on every run."""
+    """Deterministic mode: no atomics, the same inputs give the same bits on every run (the
+    two runs share one plan, as a training loop would)."""
     runs = []
-    for _ in range(2):
-        outputs = _layer_norm_fwd_bwd(np.random.default_rng(7), (8192, 1024))
-        fl.realize(*outputs)
-        runs.append([t.numpy() for t in outputs])
+    with fl.use_deterministic_algorithms(True):
+        for _ in range(2):
+            outputs = _layer_norm_fwd_bwd(np.random.default_rng(7), (8192, 1024))
+            fl.realize(*outputs)
+            runs.append([t.numpy() for t in outputs])
     for first, second in zip(*runs):
         np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.gpu
+def test_gpu_plans_of_the_two_modes_are_kept_apart():
+    """The executor's plan cache keys on the mode: one kernel by default, two when
+    deterministic, for the same graph; the atomic sums stay close to the ordered ones."""
+    from flame.runtime.executor import default_executor, linearize
+
+    results, launches = [], []
+    for deterministic in (False, True, False):
+        with fl.use_deterministic_algorithms(deterministic):
+            outputs = _layer_norm_fwd_bwd(np.random.default_rng(11), (4096, 512))
+            pending = [t.node for t in outputs]
+            _, inputs, key = linearize(pending)
+            launches.append(len(default_executor().plan_for(pending, inputs, key).launches))
+            fl.realize(*outputs)
+            results.append([t.numpy() for t in outputs])
+    assert launches == [1, 2, 1]
+    for atomic, ordered in zip(results[0], results[1]):
+        assert _relative_error(atomic, ordered) < 1e-5

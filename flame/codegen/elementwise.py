@@ -48,6 +48,7 @@ class Lowered:
     outputs: tuple[Node, ...]  # values it writes, in ``out`` parameter order
     numel: int
     grid_items: int = 0  # work items the launch must cover (defaults to numel / vec)
+    zeroed: tuple[int, ...] = ()  # outputs set to zero before the launch (atomic sums)
 
 
 def collapse(space, stride_sets):

@@ -13,7 +13,9 @@ write) over a row in one kernel. Two layouts:
 A block-mode group may also hold *strip* reductions (``flame/ir/passes/row_columns.py``):
 reductions over axis 1 of ``(P, S, *row)``, the rows cut into P strips of S rows. Then a block
 owns a strip, each thread keeps the partial results of its columns in registers over the
-strip's rows (accumulated in the last pass, with the row outputs) and writes them at the end.
+strip's rows (accumulated in the last pass, with the row outputs) and writes them at the end:
+as partial rows, or added atomically into their total (``reduce_strips.py``). Operand
+addressing and loads live in ``reduce_loads.py``.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ from flame.codegen.common import (
     buffer_params,
     collect_reads,
     const_literal,
-    generated_expression,
     header,
     kernel_stem,
-    load,
     op_expression,
     store,
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, index_type_for
+from flame.codegen.reduce_loads import RowLoads
 from flame.codegen.reduce_space import (
     MAX_CACHE_ITEMS,
     THREAD_BLOCK,
@@ -43,8 +44,13 @@ from flame.codegen.reduce_space import (
     Space,
     block_size,
 )  # fmt: skip
+from flame.codegen.reduce_strips import (
+    accumulator,
+    atomic_outputs,
+    rows_strips_totals,
+    strip_sum,
+)  # fmt: skip
 from flame.codegen.spec import Arg, KernelSpec
-from flame.ir import dtypes
 from flame.ir.graph import Group
 from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
@@ -55,42 +61,29 @@ COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512
 
 def lower_reduce(group: Group, layout_of) -> Lowered:
     reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
-    rows, columns = _rows_and_strips(group, reduces)
+    rows, columns, totals = rows_strips_totals(group, reduces)
     shape, axes = rows[0].inputs[0].shape, rows[0].attr("axes")
     kept = tuple(1 if axis in axes else size for axis, size in enumerate(shape))
     reads, aliases = collect_reads(group, layout_of)
     views = [_space_view(read.view, shape, kept) for read in reads]
     reads, views, same = _same_reads(reads, views)
-    column_ids = {id(node) for node in columns}
-    outputs = [node for node in group.outputs if id(node) not in column_ids]
+    column_ids = {id(node) for node in columns + totals}
+    atomic = atomic_outputs(group, totals, aliases)
+    skipped = column_ids | {id(group.outputs[position]) for position in atomic}
+    outputs = [node for node in group.outputs if id(node) not in skipped]
     out_views = [_output_strides(node, shape, kept) for node in outputs]
     stride_sets = [view.strides for view in views] + out_views
     space = Space(shape, axes, stride_sets)
     writer = _ReduceWriter(group, space, reads, aliases, shape, kept)
     writer.same_reads, writer.columns = same, columns
-    writer.column_ids = column_ids
+    writer.column_ids, writer.atomic, writer.skipped = column_ids, atomic, skipped
     writer.column_shape = columns[0].inputs[0].shape if columns else None
     writer.out_index = {
         position: len(reads) + outputs.index(node)
-        for position, node in enumerate(group.outputs) if id(node) not in column_ids
+        for position, node in enumerate(group.outputs) if id(node) not in skipped
     }  # fmt: skip
     writer.index = index_type_for(prod(shape), reads)
     return writer.build(out_views)
-
-
-def _rows_and_strips(group, reduces):
-    """Row reductions (they define the space) and strip reductions of the group."""
-    keys = {(node.inputs[0].shape, node.attr("axes")) for node in reduces}
-    if len(keys) == 1:
-        return reduces, []
-    from flame.ir.passes.fuse import row_key
-    from flame.ir.passes.row_columns import column_reductions
-
-    mixed = column_reductions(group, row_key)
-    if mixed is None:
-        raise ValueError(f"reduce group with reductions of several shapes: {sorted(keys)}")
-    _, rows, columns = mixed
-    return rows, columns
 
 
 def _same_reads(reads, views):
@@ -130,7 +123,7 @@ def _output_strides(node, shape, kept):
     return tuple(0 if size == 1 else stride for size, stride in zip(kept, strides))
 
 
-class _ReduceWriter:
+class _ReduceWriter(RowLoads):
     def __init__(self, group, space, reads, aliases, shape, kept):
         self.group, self.space, self.reads, self.aliases = group, space, reads, aliases
         self.shape, self.kept = shape, kept
@@ -143,7 +136,9 @@ class _ReduceWriter:
         self.scalar_values: dict[int, str] = {}
         self.same_reads: dict[int, Read] = {}
         self.columns: list = []
-        self.column_ids: set[int] = set()
+        self.column_ids: set[int] = set()  # strip reductions and their totals
+        self.atomic: dict[int, object] = {}  # output position -> total added atomically
+        self.skipped: set[int] = set()  # outputs the row and scalar stores leave alone
         self.column_shape = None
         self.out_index: dict[int, int] = {}
         self.level = self._levels()
@@ -184,7 +179,7 @@ class _ReduceWriter:
             self.passes.append(self._pass(number))
         self.final = self._final_pass(out_views)
         return Lowered(self._spec(depth), tuple(r.base for r in buffers), tuple(self.group.outputs),
-                       prod(self.shape), self._blocks())  # fmt: skip
+                       prod(self.shape), self._blocks(), tuple(sorted(self.atomic)))  # fmt: skip
 
     def _choose_layout(self) -> None:
         """Lanes per chunk, vector loads, block size and the row cache (see module doc)."""
@@ -244,158 +239,12 @@ class _ReduceWriter:
                 self.vector_outputs = True
         return True
 
-    def _param(self, kind, name, value) -> str:
-        if all(arg.name != name for arg in self.params):
-            self.params.append(Arg(kind, self.index, name, value))
-        return name
-
     def _blocks(self) -> int:
         if self.columns:
             return self.column_shape[0]  # a block per strip
         if self.space.block_mode:
             return self.space.num_outer
         return -(-self.space.num_outer // 32)
-
-    # --- index math ---------------------------------------------------------------------
-    def _decompose(self, lines, variable, sizes, prefix):
-        if len(sizes) <= 1:
-            return [variable] * len(sizes)
-        lines.append(f"{self.index} {prefix}_rest = {variable};")
-        names = []
-        for axis in range(len(sizes) - 1, 0, -1):
-            self._param("size", f"{prefix}_size{axis}", sizes[axis])
-            lines.append(f"const {self.index} {prefix}{axis} = "
-                         f"{prefix}_rest % {prefix}_size{axis}; "
-                         f"{prefix}_rest /= {prefix}_size{axis};")  # fmt: skip
-            names.append(f"{prefix}{axis}")
-        lines.append(f"const {self.index} {prefix}0 = {prefix}_rest;")
-        return [f"{prefix}0"] + list(reversed(names))
-
-    def _linear(self, name, strides, indices, literal_unit=True) -> str:
-        terms = []
-        for axis, stride in enumerate(strides):
-            if stride == 0:
-                continue
-            if stride == 1 and literal_unit:
-                terms.append(indices[axis])
-                continue
-            self._param("stride", f"{name}_s{axis}", stride)
-            terms.append(f"{indices[axis]} * {name}_s{axis}")
-        return " + ".join(terms) or "0"
-
-    def _outer_math(self, out_views):
-        lines = self.outer_lines
-        self.outer_index = self._decompose(lines, "outer", self.space.outer_sizes, "o")
-        for position, read in enumerate(self.reads):
-            strides = self.space.outer_strides[position]
-            offset = self._linear(f"{read.param}_o", strides, self.outer_index)
-            if read.view.offset:
-                self._param("size", f"{read.param}_offset", read.view.offset)
-                offset += f" + {read.param}_offset"
-            lines.append(f"const {self.index} {read.param}_outer = {offset};")
-        for position, index in self.out_index.items():
-            strides = self.space.outer_strides[index]
-            offset = self._linear(f"out{position}_o", strides, self.outer_index)
-            lines.append(f"const {self.index} out{position}_outer = {offset};")
-        for position, read in enumerate(self.reads):
-            # constant along the row (a per-row value, or broadcast along the reduced axes):
-            # loaded once per row, not once per element
-            along_row = any(self.space.inner_strides[position])
-            if read.top.shape not in (self.shape, self.column_shape) or not along_row:
-                self.scalar_values[id(read.top)] = self._scalar_read(read)
-        for top, read in self.same_reads.items():
-            if id(read.top) in self.scalar_values:
-                self.scalar_values[top] = self.scalar_values[id(read.top)]
-
-    def _scalar_read(self, read: Read) -> str:
-        name = f"s_{read.param}"
-        ctype = read.top.dtype.c_compute
-        if read.generated:
-            value = generated_expression(read.base, f"{read.param}_outer", self.helpers)
-        else:
-            value = load(read.base.dtype, f"{read.param}[{read.param}_outer]")
-        self.outer_lines.append(f"const {ctype} {name} = {value};")
-        return name
-
-    def _lane_reads(self, chunk_lines, lane_lines, values, cached):
-        """Row reads of one chunk: loads at chunk level (all lanes' loads issued before any
-        arithmetic), values per lane. ``cached``: read them from the row cache instead."""
-        indices = None
-        for position, read in enumerate(self.reads):
-            if id(read.top) in self.scalar_values:
-                values[id(read.top)] = self.scalar_values[id(read.top)]
-                continue
-            name = f"x_{read.param}"
-            ctype = read.top.dtype.c_compute
-            values[id(read.top)] = name
-            for top, same in self.same_reads.items():
-                if same is read:
-                    values[top] = name
-            if cached and id(read) in self.cached_reads:
-                lane_lines.append(f"const {ctype} {name} = cache_{read.param}[item][k];")
-                continue
-            if indices is None:
-                indices = self._decompose(lane_lines, "inner", self.space.inner_sizes, "r")
-            strides = self.space.inner_strides[position]
-            offset = self._linear(f"{read.param}_r", strides, indices)
-            at = f"{read.param}_outer + {offset}"
-            if read.generated:
-                lane_lines.append(f"const {ctype} {name} = "
-                                  f"{generated_expression(read.base, at, self.helpers)};")  # fmt: skip  # noqa: E501
-                continue
-            lane_lines.append(f"const {ctype} {name} = {load(read.base.dtype, self._raw(read))};")
-            chunk_lines.extend(self._chunk_load(read, position))
-
-    def _raw(self, read: Read) -> str:
-        """Lane k of a read's chunk of raw (storage-typed) values."""
-        if self.vector_reads.get(id(read)):
-            return f"raw_{read.param}.v[k]"
-        return f"raw_{read.param}[k]"
-
-    def _chunk_load(self, read: Read, position) -> list[str]:
-        storage = read.base.dtype.c_storage
-        if self.vector_reads.get(id(read)):
-            vector = f"FlameVec<{storage}, {self.lanes}>"
-            pointer = (
-                f"reinterpret_cast<const {vector}*>({read.param} + {read.param}_outer + chunk)"
-            )
-            return [f"const {vector} raw_{read.param} = *{pointer};"]
-        strides = self.space.inner_strides[position]
-        if len(self.space.inner_sizes) == 1:
-            step = self._linear(f"{read.param}_r", strides, ["(chunk + j)"])
-            at = f"{read.param}_outer + {step}"
-        else:  # several reduced axes: one lane per chunk, decomposed in the lane code
-            at = f"{read.param}_outer + 0"
-            return self._decomposed_load(read, position)
-        return [
-            f"{storage} raw_{read.param}[{self.lanes}];",
-            "#pragma unroll",
-            f"for (int j = 0; j < {self.lanes}; ++j) "
-            f"raw_{read.param}[j] = chunk + j < num_inner ? {read.param}[{at}] : ({storage})0;",
-        ]
-
-    def _decomposed_load(self, read, position) -> list[str]:
-        lines = [f"{read.base.dtype.c_storage} raw_{read.param}[1];"]
-        indices = self._decompose(lines, "chunk", self.space.inner_sizes, f"c{read.param}_")
-        offset = self._linear(f"{read.param}_r", self.space.inner_strides[position], indices)
-        lines.append(f"raw_{read.param}[0] = {read.param}[{read.param}_outer + {offset}];")
-        return lines
-
-    def _cache_loads(self) -> list[str]:
-        lines = []
-        for position, read in enumerate(self.reads):
-            if id(read) not in self.cached_reads:
-                continue
-            lanes: list[str] = []
-            lines.extend(self._chunk_load(read, position))
-            value = load(read.base.dtype, self._raw(read))
-            lanes.append(f"cache_{read.param}[item][k] = {value};")
-            lines.append("#pragma unroll")
-            lines.append(f"for (int k = 0; k < {self.lanes}; ++k) {lanes[0]}")
-            self.cache_declarations.append(
-                f"{read.top.dtype.c_compute} cache_{read.param}[{self.items}][{self.lanes}];"
-            )
-        return lines
 
     # --- passes ---------------------------------------------------------------------------
     def _row_statements(self, lines, targets, values):
@@ -439,7 +288,7 @@ class _ReduceWriter:
         for node in reduces:
             name = f"acc{len(self.scalar_values)}"
             op = get_op(node.op)
-            ctype, letter = _accumulator(node)
+            ctype, letter = accumulator(node)
             identity = op.cuda["identity"][letter]
             self.helpers.need(op.helpers)
             init.append(f"{ctype} {name} = {identity};")
@@ -481,37 +330,12 @@ class _ReduceWriter:
                 if output.shape == self.shape:
                     self._row_store(position, output, values, chunk, lane, after)
             for node in self.columns:
-                self._strip_sum(node, values, lane)
+                strip_sum(self, node, values, lane)
         for position, output in enumerate(self.group.outputs):
-            if output.shape != self.shape and id(output) not in self.column_ids:
+            if output.shape != self.shape and id(output) not in self.skipped:
                 value = store(output.dtype, self._value(output, {}))
                 scalars.append(f"out{position}[out{position}_outer] = {value};")
         return {"chunk": chunk, "lane": lane, "after": after, "scalars": scalars}
-
-    def _strip_sum(self, node, values, lane) -> None:
-        """A strip reduction: per-thread partial results of its columns, in registers over
-        the strip's rows, written as the strip's row of the (P, 1, *row) output."""
-        position = next(i for i, out in enumerate(self.group.outputs) if out is node)
-        op = get_op(node.op)
-        ctype, letter = _accumulator(node)
-        identity = op.cuda["identity"][letter]
-        self.helpers.need(op.helpers)
-        name = f"column{position}"
-        items, lanes = self.loop_items, self.lanes
-        self.column_lines["declare"].append(
-            f"{ctype} {name}[{items}][{lanes}];\n"
-            f"    #pragma unroll\n"
-            f"    for (int item = 0; item < {items}; ++item)\n"
-            f"        for (int k = 0; k < {lanes}; ++k) {name}[item][k] = {identity};"
-        )
-        value = self._value(node.inputs[0], values)
-        slot = f"{name}[item][k]"
-        lane.append(f"{slot} = {op.cuda['combine'].format(slot, f'({ctype}){value}')};")
-        stored = store(node.dtype, slot)
-        self.column_lines["store"].append(
-            f"for (int k = 0; k < {lanes}; ++k) "
-            f"out{position}[(Index)blockIdx.x * num_inner + chunk + k] = {stored};"
-        )
 
     def _row_store(self, position, output, values, chunk, lane, after):
         value = store(output.dtype, self._value(output, values))
@@ -578,15 +402,3 @@ class _ReduceWriter:
 def _split_combine(name: str, combine: str) -> str:
     """The statement folding split ``part``'s partial result into ``name``."""
     return f"{name} = " + combine.format(name, f"shared_{name}[part][column]")
-
-
-def _accumulator(node) -> tuple[str, str]:
-    """C type and identity key of a reduction's accumulator."""
-    source = node.inputs[0].dtype
-    if source.is_float:
-        return "float", "f"
-    if node.op in ("reduce_sum", "reduce_prod"):
-        return "long long", "i"
-    if source.is_bool:
-        return "int", "b"
-    return source.c_compute, ("i32" if source is dtypes.int32 else "i")

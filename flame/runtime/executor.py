@@ -18,6 +18,7 @@ import numpy as np
 
 from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
+from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
@@ -42,6 +43,7 @@ class Launch:
     args: tuple
     writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
     shapes: tuple  # per written slot: (shape, dtype)
+    zeroed: tuple[tuple[int, int], ...] = ()  # (slot, bytes) set to 0 first (atomic sums)
 
     def __post_init__(self):
         # Prepared for the replay loop: (slot, shape, dtype) per output, and the kernel's
@@ -84,6 +86,8 @@ class Launch:
     def launch_into(self, slots: list) -> None:
         """Launch on the current stream with the buffers already in ``slots``."""
         stream = _current_stream().ptr
+        for slot, size in self.zeroed:  # a memset node of a captured CUDA graph, too
+            _cupy().cuda.runtime.memsetAsync(slots[slot].data.ptr, 0, size, stream)
         with self._lock:  # the parameter block is shared by every call of this launch
             for holder, slot in self._buffers:
                 holder.value = slots[slot].data.ptr
@@ -274,6 +278,8 @@ class Executor:
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
+        if are_deterministic_algorithms_enabled():  # plans differ: kept apart
+            key = ("deterministic", key)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(pending, inputs)
@@ -451,7 +457,11 @@ def _launch(lowered, function, slot_of) -> Launch:
         blocks = max(1, min(-(-trip_count // spec.block), cap))
     writes = tuple((slot_of[id(node)], position) for position, node in enumerate(lowered.outputs))
     shapes = tuple((node.shape, _cupy_dtype(node.dtype)) for node in lowered.outputs)
-    return Launch(spec, function, blocks, spec.block, tuple(arguments), writes, shapes)
+    zeroed = tuple(
+        (slot_of[id(node)], node.numel * node.dtype.itemsize)
+        for node in (lowered.outputs[position] for position in lowered.zeroed)
+    )  # fmt: skip
+    return Launch(spec, function, blocks, spec.block, tuple(arguments), writes, shapes, zeroed)
 
 
 def _cupy_dtype(dtype):

@@ -21,12 +21,22 @@ The join happens when (all checked, else the groups stay apart):
 
 Per-row values the row kernel wrote only for the column kernel (the row statistics) are no
 longer written once nothing else reads them.
+
+Then, unless deterministic algorithms are asked for (``flame/determinism.py``), the small
+kernel that sums the P partial rows joins too: a float32 sum over axis 0 of the strip sums
+(and views of it) that nothing else reads becomes an output of the row kernel, which adds each
+strip's partial results into it with ``atomicAdd`` (the output is zeroed before the launch;
+``flame/codegen/reduce_columns.py``). The P x row buffer is then never allocated: layer norm's
+backward over [16384, 4096] float32 saves 2 x 256 x 4096 x 4 B = 8.4 MB and a launch. Sums of
+other dtypes keep the partial rows (their result would need a float32 accumulator of its own).
 """
 
 from __future__ import annotations
 
 import graphlib
 
+from flame.determinism import are_deterministic_algorithms_enabled
+from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
@@ -63,7 +73,70 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
                 break
             if merged_any:
                 break
+    if not are_deterministic_algorithms_enabled():
+        groups = _absorb_totals(graph, groups, materialized, position, row_key)
     return groups
+
+
+def _absorb_totals(graph, groups: list[Group], materialized, position, key_of) -> list[Group]:
+    """Row kernels with strip sums take over the kernels that only add up their partial
+    rows (float32 sums over axis 0 of a strip output, and views of them): see module doc."""
+    graph_outputs = {id(node) for node in graph.outputs}
+    for row in list(groups):
+        mixed = column_reductions(row, key_of) if row.kind == "reduce" else None
+        if mixed is None:
+            continue
+        strips = {id(node) for node in mixed[2]}
+        readers: dict[int, set[int]] = {}  # strip output -> groups reading it
+        for index, group in enumerate(groups):
+            for node in group.nodes:
+                for child in node.inputs:
+                    if id(child) in strips and group is not row:
+                        readers.setdefault(id(child), set()).add(index)
+        for index, total in enumerate(groups):
+            taken = _totals_of(total, strips)
+            if taken is None:
+                continue
+            if any(id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken):
+                continue  # a partial row someone else reads: it stays written
+            taken_ids = {id(s) for s in taken}
+            nodes = {id(node): node for node in row.nodes + total.nodes}
+            ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
+            kept = [(o, r) for o, r in zip(row.outputs, row.reasons) if id(o) not in taken_ids]
+            outputs = tuple(o for o, _ in kept) + total.outputs
+            reasons = tuple(r for _, r in kept) + total.reasons
+            merged = Group("reduce", tuple(ordered), outputs, reasons)
+            candidate = [merged if g is row else g for g in groups if g is not total]
+            if _acyclic(candidate, materialized):
+                groups, row = candidate, merged
+    return groups
+
+
+def _totals_of(group: Group, strips: set[int]) -> list[Node] | None:
+    """The strip outputs a group only sums over axis 0 in float32 (plus views of the sums,
+    nothing else, every output a sum or a view of one); None for any other group."""
+    if group.kind != "reduce":
+        return None
+    members = {id(node) for node in group.nodes}
+    sums = set()
+    taken = []
+    for node in group.nodes:
+        if node.op == "reduce_sum" and node.attr("axes") == (0,):
+            source = node.inputs[0]
+            if id(source) not in strips or not (source.dtype is node.dtype is dtypes.float32):
+                return None
+            sums.add(id(node))
+            taken.append(source)
+        elif node.op in MOVEMENT_OPS and id(node.inputs[0]) in members:
+            continue
+        else:
+            return None
+    for output in group.outputs:
+        while id(output) not in sums and output.op in MOVEMENT_OPS:
+            output = output.inputs[0]
+        if id(output) not in sums:
+            return None
+    return taken or None
 
 
 def column_reductions(group: Group, key_of) -> tuple[tuple, list[Node], list[Node]] | None:

@@ -86,7 +86,8 @@ def _row_reductions(graph: Graph) -> dict[tuple, int]:
 COLUMN_OUTPUTS = 1 << 15  # a column reduction with fewer outputs than this is split
 # Row kernels that also reduce columns: one block per strip of rows, each thread keeping its
 # columns' partial results in registers. 256 strips keep two 512-thread blocks on each of the
-# H100's 132 SMs; the partial results take ROW_STRIPS x row length values per reduction.
+# H100's 132 SMs; the partial results take ROW_STRIPS x row length values per reduction,
+# unless the row kernel adds them atomically into a float32 result (row_columns.py).
 ROW_STRIPS = 256
 MIN_STRIP_ROWS = 8
 # column values (row length x column reductions) a row kernel keeps in registers; longer
