@@ -33,6 +33,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import contiguous_strides
 from flame.replay import GraphCache, capturable, fast_replay, flatten, storage_of, unflatten, wrap
@@ -187,7 +188,8 @@ class CompiledFunction:
         names = None
         if kwargs:
             args, names = self._bind(args, kwargs)
-        exact = [names]
+        mode = are_deterministic_algorithms_enabled()  # plans differ (flame/determinism.py)
+        exact = [(names, mode)]
         pending = None
         for a in args:
             if type(a) is Tensor:
@@ -204,7 +206,7 @@ class CompiledFunction:
                 exact.append(_exact(a))
         if pending:
             realize(*pending)
-            exact = (names, *[_exact(a) for a in args])
+            exact = ((names, mode), *[_exact(a) for a in args])
         else:
             exact = tuple(exact)
         program = self._programs.get(exact)
@@ -242,7 +244,7 @@ class CompiledFunction:
                     f"flame.compile({self.fn.__qualname__}): static argument {name!r} is a tensor"
                 )
             generic.append(_generic(value))
-        generic = (tuple(names), *generic)
+        generic = ((tuple(names), are_deterministic_algorithms_enabled()), *generic)
         sizes = tuple(a.shape for a in args if isinstance(a, Tensor))
         return generic, sizes
 
@@ -250,9 +252,11 @@ class CompiledFunction:
         if not self._signatures:
             return "first call"
         previous = next(reversed(self._signatures))
+        if previous[0][1] != generic[0][1]:
+            return f"deterministic algorithms {'on' if generic[0][1] else 'off'} (a new plan)"
         if previous[0] != generic[0]:
-            return f"arguments passed as {generic[0]} instead of {previous[0]}"
-        names = generic[0]
+            return f"arguments passed as {generic[0][0]} instead of {previous[0][0]}"
+        names = generic[0][0]
         for position, (old, new) in enumerate(zip(previous[1:], generic[1:])):
             if old != new:
                 name = names[position] if position < len(names) else f"#{position}"

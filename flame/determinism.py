@@ -10,8 +10,9 @@ varies from run to run, so the last bits of such sums may too.
 starting value) keeps every reduction in a fixed order: the strips write their partial rows
 and a second kernel sums them, always the same way. The choice is a context variable, as the
 backend is: two threads choosing differently never see each other's choice. It is read when a
-graph is planned, and the executor's plan cache keeps the two kinds of plan apart; a
-``flame.compile`` program keeps the mode it was first planned under.
+graph is planned, and the executor's plan cache keeps the two kinds of plan apart; for
+``flame.compile`` the mode is part of the signature (a change re-traces, and ``cache_info``
+says why).
 
     fl.use_deterministic_algorithms(True)            # for the rest of this context
     with fl.use_deterministic_algorithms(True): ...  # for this block only

@@ -69,3 +69,16 @@ def test_compiled_matches_lazy_on_the_gpu_and_replays(rng):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
     assert compiled.cache_info().traces == 1
     assert compiled.cache_info().hits == 2
+
+
+def test_deterministic_mode_is_part_of_the_signature(reference_backend):
+    compiled = fl.compile(lambda x: (x * 2).sum(0))
+    x = fl.tensor(np.ones((8, 4), np.float32)).realize()
+    compiled(x)
+    with fl.use_deterministic_algorithms(True):
+        compiled(x)
+        compiled(x)
+    compiled(x)
+    info = compiled.cache_info()
+    assert info.traces == 2 and info.hits == 2
+    assert info.reasons[-1] == "miss: deterministic algorithms on (a new plan)"
