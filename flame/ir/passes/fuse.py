@@ -248,7 +248,7 @@ class _Grouping:
                     self.extra[id(base)] = (base, "value read through a reshaping view")
 
 
-def _form_groups(graph: Graph, materialized, reasons):
+def _form_groups(graph: Graph, materialized, reasons, homes):
     grouping = _Grouping(graph, materialized)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     buckets: dict[tuple, list[Node]] = {}
@@ -270,6 +270,8 @@ def _form_groups(graph: Graph, materialized, reasons):
         if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
             if not is_row_alias(node, key):
                 bucket = ("elementwise", node.shape)
+        if homes.get(id(node)) is not None:  # saved from the row kernel that computes it
+            bucket = homes[id(node)]
         bucket_of[id(node)] = bucket
         _depth(node, materialized, bucket_of, depths, dependencies)
         order.append(node)
@@ -408,10 +410,17 @@ def _order_groups(groups: list[Group], materialized) -> list[Group]:
     return [groups[index] for index in order]
 
 
-def fuse(graph: Graph) -> Graph:
+def fuse(graph: Graph, saved=()) -> Graph:
+    """``saved``: ``(node, reason, home)`` triples the save-or-recompute pass chose to write
+    (remat.py); ``home`` is the bucket of the kernel that computes it anyway, or None."""
     materialized, reasons = _materialized(graph)
+    homes = {}
+    for node, reason, home in saved:
+        if id(node) not in materialized:
+            materialized[id(node)], reasons[id(node)] = node, reason
+            homes[id(node)] = home
     for _ in range(len(graph.nodes) + 1):
-        groups, extra = _form_groups(graph, materialized, reasons)
+        groups, extra = _form_groups(graph, materialized, reasons, homes)
         if not extra:
             break
         for key, (node, reason) in extra.items():
