@@ -39,7 +39,7 @@ from __future__ import annotations
 from flame.ir.graph import Graph, Group, Remat, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
-from flame.ir.passes.fuse import fuse, library_view, row_key, scalar_shapes
+from flame.ir.passes.fuse import fuse, library_view
 from flame.ir.shapes import prod
 from flame.ir.views import MOVEMENT_OPS
 
@@ -47,10 +47,15 @@ from flame.ir.views import MOVEMENT_OPS
 def remat(graph: Graph) -> Graph:
     if not graph.groups:
         return graph
-    shared = _Shared(graph)
+    shared = Shared(graph)
     if not shared.needed:  # no later kernel recomputes anything: nothing to decide
         return Graph(graph.outputs, graph.name, graph.groups, Remat())
-    saves = shared.refine(shared.min_cut())
+    return decide(graph, shared, shared.refine(shared.min_cut()))
+
+
+def decide(graph: Graph, shared: Shared, saves: dict[int, Node]) -> Graph:
+    """The plan with ``saves`` written when, fused again, it moves fewer bytes in no more
+    kernels than ``graph``'s; else ``graph``'s plan. Both numbers are recorded."""
     entries = shared.explain(saves)
     saved = tuple(entry for entry in entries if id(entry[0]) in saves)
     recomputed = tuple(entry for entry in entries if id(entry[0]) not in saves)
@@ -59,7 +64,7 @@ def remat(graph: Graph) -> Graph:
         return Graph(graph.outputs, graph.name, graph.groups, Remat((), recomputed, before))
     refused = fuse(
         Graph(graph.outputs, graph.name),
-        tuple((node, _reason(save, again), shared.home(node)) for node, save, again, _ in saved),
+        tuple((node, _reason(save, again), shared.anchor(node)) for node, save, again, _ in saved),
     )
     after = (planned_bytes(refused), len(refused.groups))
     if after[0] < before[0] and after[1] <= before[1]:
@@ -77,7 +82,7 @@ def _reason(save: int, again: int) -> str:
     )
 
 
-class _Shared:
+class Shared:
     """The values of a fused plan that more than one kernel computes, and what each kernel
     reads from memory."""
 
@@ -124,16 +129,19 @@ class _Shared:
         import networkx
 
         network = networkx.DiGraph()
+        # bytes are scaled and every save costs one more unit: on a tie, recompute
+        scale = len(self.kernels) + 1
         for key, kernels in self.kernels.items():
             node = self.nodes[key]
             if _savable(node):
-                network.add_edge(("in", key), ("out", key), capacity=_size(node) * len(kernels))
+                save = _size(node) * len(kernels) * scale + 1
+                network.add_edge(("in", key), ("out", key), capacity=save)
             else:
                 network.add_edge(("in", key), ("out", key))  # no capacity: infinite
             for child in node.inputs:
                 if id(child) not in self.kernels:  # in memory: read to recompute
                     network.add_edge("source", ("in", id(child)))
-                    reread = _size(child) * self.rereads.get(id(child), 0)
+                    reread = _size(child) * self.rereads.get(id(child), 0) * scale
                     network.add_edge(("in", id(child)), ("out", id(child)), capacity=reread)
                 network.add_edge(("out", id(child)), ("in", key))
         for key in self.needed:
@@ -214,17 +222,20 @@ class _Shared:
                 found.add(id(value))
         return found
 
-    def home(self, node: Node):
-        """The row-kernel bucket of the first kernel computing ``node``, when ``node`` fits
-        its rows (then saving it adds a write to that kernel, not a kernel); else None."""
+    def anchor(self, node: Node) -> Node | None:
+        """A value written by the first kernel computing ``node`` that needs it: saved,
+        ``node`` joins that kernel (one more write there, not one more kernel)."""
         group: Group = self.graph.groups[self.kernels[id(node)][0]]
-        if group.kind != "reduce":
-            return None
-        for member in group.nodes:
-            if get_op(member.op).kind == "reduce":
-                key = row_key(member)
-                if node.shape == key[0] or node.shape in scalar_shapes(key):
-                    return ("reduce", key)
+        members = {id(member) for member in group.nodes}
+        for root in group.outputs:
+            stack, seen = [root], set()
+            while stack:
+                value = stack.pop()
+                if value is node:
+                    return root
+                if id(value) not in seen and id(value) in members:
+                    seen.add(id(value))
+                    stack.extend(value.inputs)
         return None
 
 
