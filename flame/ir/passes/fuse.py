@@ -17,7 +17,8 @@ Rules, each with the reason recorded for the dump:
 1. A value is *materialized* (written to memory) when it is a graph output; the result or a
    computed input of a library call; a computation broadcast to a larger shape that would
    cost more than ``RECOMPUTE_LIMIT`` ops per element to recompute; the input of a reshape
-   that cannot be a strided view; or a reduction a kernel of another kind or key needs.
+   that cannot be a strided view; or a reduction a kernel of another kind or key needs;
+   or a value the save-or-recompute pass (remat.py) saves for later kernels.
 2. Materialized values of one shape (elementwise) or one row key (reduce) share a kernel.
 3. Kernels read materialized values of other kernels, never recompute them.
 """
