@@ -23,10 +23,30 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Remat:
+    """What the save-or-recompute pass (passes/remat.py) decided for the values that more
+    than one kernel computes. Byte counts are the pass's cost model. ``saved`` and
+    ``recomputed`` hold ``(node, save, recompute, shared)``: ``save`` is what writing the
+    value once and reading it in each later kernel moves; ``recompute`` what those kernels
+    would read only to recompute it, of which ``shared`` they read to recompute other
+    values too."""
+
+    saved: tuple[tuple[Node, int, int, int], ...] = ()
+    recomputed: tuple[tuple[Node, int, int, int], ...] = ()
+    # (planned bytes, kernels) of the plan without the cut's saves, and with them (None:
+    # nothing to save); the plan with them is kept when it moves fewer bytes in no more
+    # kernels
+    without: tuple[int, int] | None = None
+    with_saves: tuple[int, int] | None = None
+    kept: bool = False
+
+
+@dataclass(frozen=True)
 class Graph:
     outputs: tuple[Node, ...]
     name: str = "f"
     groups: tuple[Group, ...] | None = None
+    remat: Remat | None = None  # the save-or-recompute decision, once fused
     _nodes: list = field(default=None, compare=False, repr=False)
 
     @property

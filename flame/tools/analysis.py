@@ -109,6 +109,79 @@ def _path(needs: list[set[int]], start: int, goal: int) -> list[int]:
     return []
 
 
+# -- save or recompute ----------------------------------------------------------------------
+
+
+def remat_lines(graph: Graph) -> list[str]:
+    """What the save-or-recompute pass decided (passes/remat.py), for the dump: the values
+    written for later kernels and the values later kernels recompute, with the bytes the
+    min-cut compared, and the planned bytes of the plan with and without its saves."""
+    from flame.ir.passes.remat import format_bytes as size
+    from flame.ir.printer import node_names
+
+    decision = graph.remat
+    if decision is None or graph.groups is None or len(graph.groups) < 2:
+        return []  # not planned by the pipeline, or one kernel: nothing to share
+    if not decision.saved and not decision.recomputed:
+        return ["save/recompute: no value is computed by more than one kernel (no min-cut)"]
+    names = node_names(graph)
+    writer = {id(out): index for index, group in enumerate(graph.groups) for out in group.outputs}
+    computing: dict[int, list[int]] = {}
+    reading: dict[int, list[int]] = {}
+    for index, group in enumerate(graph.groups):
+        members = {id(node) for node in group.nodes}
+        for node in group.nodes:
+            computing.setdefault(id(node), []).append(index)
+            for child in node.inputs:
+                if id(child) not in members and index not in reading.get(id(child), []):
+                    reading.setdefault(id(child), []).append(index)
+    lines = [_remat_headline(decision)]
+    for node, save, again, _ in decision.saved:
+        name = names[id(node)]
+        if decision.kept:
+            lines.append(
+                f"saved {name} (written by k{writer[id(node)]}, read by "
+                f"{_kernels(reading.get(id(node), []))}): {size(save)} written+read instead of "
+                f"{size(again)} to recompute"
+            )
+        else:
+            lines.append(
+                f"not saved {name}: the cut chose {size(save)} written+read over {size(again)} "
+                "to recompute, but the fused plan moves more with it"
+            )
+    for node, save, again, common in decision.recomputed:
+        also = f" ({size(common)} of it read for other values too)" if common else ""
+        lines.append(
+            f"recomputed {names[id(node)]} in {_kernels(computing.get(id(node), []))}: "
+            f"{size(again)} extra read to recompute{also} instead of {size(save)} written+read"
+        )
+    return lines
+
+
+def _remat_headline(decision) -> str:
+    from flame.ir.passes.remat import format_bytes
+
+    def plan(numbers) -> str:
+        return f"{numbers[0]:,} bytes in {numbers[1]} kernels"
+
+    if decision.with_saves is None:
+        return f"save/recompute (min-cut): nothing saved; the plan moves {plan(decision.without)}"
+    if decision.kept:
+        less = format_bytes(decision.without[0] - decision.with_saves[0])
+        return (
+            f"save/recompute (min-cut): saves kept: the plan moves {plan(decision.with_saves)} "
+            f"with them, {plan(decision.without)} without ({less} less)"
+        )
+    return (
+        f"save/recompute (min-cut): the cut's saves were not kept: with them the plan would "
+        f"move {plan(decision.with_saves)}, without them {plan(decision.without)}"
+    )
+
+
+def _kernels(indices) -> str:
+    return ", ".join(f"k{index}" for index in indices)
+
+
 # -- bytes, launch shape, resources ----------------------------------------------------------
 
 

@@ -101,6 +101,7 @@ def describe(recorder: DumpRecorder) -> str:
         for kernel in record.kernels:
             lines.append(f"# k{kernel.index} {kernel.kind} over {kernel.label}: {kernel.name}")
             lines += [f"#   {reason}" for reason in kernel.reasons]
+        lines += [f"# {line}" for line in record.remat]
         parts.append("\n".join(lines))
     if not parts:
         return "# no graph was realized"

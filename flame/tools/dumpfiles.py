@@ -80,7 +80,7 @@ def passes_text(record: GraphRecord, timings: bool = True) -> list[tuple[str, st
 
 
 def fusion_text(record: GraphRecord) -> str:
-    lines = [f"{record.title}: {len(record.kernels)} kernels", ""]
+    lines = [f"{record.title}: {len(record.kernels)} kernels", *record.remat, ""]
     for kernel in record.kernels:
         lines.append(f"k{kernel.index} {kernel.kind} over {kernel.label}: {kernel.name}")
         lines += [f"  why: {reason}" for reason in kernel.reasons]
@@ -197,6 +197,7 @@ def graph_manifest(record: GraphRecord, folder: str, bandwidth: float) -> dict:
         "plan_seconds": record.plan_seconds, "plan_reason": record.plan_reason,
         "plan_hits": record.hits, "runs": record.runs,
         "passes": [{"name": name, "seconds": seconds} for name, seconds, _ in record.passes],
+        "save_recompute": record.remat,
         "kernels": [kernel_manifest(kernel, bandwidth) for kernel in record.kernels],
     }  # fmt: skip
 
@@ -262,6 +263,7 @@ def summary_text(recorder: DumpRecorder, status: dict, out: Path | None, detail:
             lines.append("")
             lines.append(f"{record.title} ({record.backend}): {record.plan_reason}")
             lines.append(f"  plan-cache hits: {record.hits}, runs: {record.runs}")
+            lines += [f"  {line}" for line in record.remat]
             for kernel in record.kernels:
                 sites = ", ".join(kernel.sites[:3])
                 lines.append(f"  k{kernel.index} {kernel.name}  [{kernel.cache}]  {sites}")

@@ -29,6 +29,7 @@ from flame.tools.analysis import (
     library_bytes,
     miss_reason,
     plan_signature,
+    remat_lines,
     spec_difference,
 )
 
@@ -72,6 +73,7 @@ class GraphRecord:
     plan_seconds: float
     plan_reason: str
     signature: tuple = ()
+    remat: list[str] = field(default_factory=list)  # what is saved, what recomputed, why
     hits: int = 0  # later realizations that found this plan cached
     runs: int = 0
 
@@ -214,6 +216,7 @@ class DumpRecorder:
             plan_seconds=seconds,
             plan_reason=miss_reason(signature, [(g.index, g.signature) for g in self.graphs]),
             signature=signature,
+            remat=remat_lines(graph),
         )
         reasons = boundary_reasons(graph)
         for index, group in enumerate(graph.groups or ()):

@@ -17,7 +17,8 @@ Rules, each with the reason recorded for the dump:
 1. A value is *materialized* (written to memory) when it is a graph output; the result or a
    computed input of a library call; a computation broadcast to a larger shape that would
    cost more than ``RECOMPUTE_LIMIT`` ops per element to recompute; the input of a reshape
-   that cannot be a strided view; or a reduction a kernel of another kind or key needs.
+   that cannot be a strided view; or a reduction a kernel of another kind or key needs;
+   or a value the save-or-recompute pass (remat.py) saves for later kernels.
 2. Materialized values of one shape (elementwise) or one row key (reduce) share a kernel.
 3. Kernels read materialized values of other kernels, never recompute them.
 """
@@ -30,6 +31,7 @@ from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.passes.cycles import split_in_two
 from flame.ir.shapes import prod
 from flame.ir.views import MOVEMENT_OPS, View, expand_view, resolve, storage_view
 
@@ -248,7 +250,7 @@ class _Grouping:
                     self.extra[id(base)] = (base, "value read through a reshaping view")
 
 
-def _form_groups(graph: Graph, materialized, reasons):
+def _form_groups(graph: Graph, materialized, reasons, homes):
     grouping = _Grouping(graph, materialized)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     buckets: dict[tuple, list[Node]] = {}
@@ -265,15 +267,20 @@ def _form_groups(graph: Graph, materialized, reasons):
             _depth(node, materialized, bucket_of, depths, dependencies)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
             continue
-        key = grouping.reduction_key(node)
-        bucket = ("reduce", key) if key is not None else ("elementwise", node.shape)
-        if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
-            if not is_row_alias(node, key):
-                bucket = ("elementwise", node.shape)
+        bucket = _bucket(grouping, node)
+        anchor = homes.get(id(node))  # a saved value joins the kernel that computes it
+        if anchor is not None and id(anchor) in materialized:
+            home = _bucket(grouping, anchor)
+            key = home[1] if home[0] == "reduce" else (node.shape, ())
+            if node.shape == key[0] or node.shape in scalar_shapes(key):
+                bucket = home
         bucket_of[id(node)] = bucket
         _depth(node, materialized, bucket_of, depths, dependencies)
         order.append(node)
     latest = _latest_depths(order, bucket_of, dependencies, depths)
+    for key, anchor in homes.items():
+        if key in bucket_of and bucket_of[key] == bucket_of.get(id(anchor)):
+            latest[key] = max(latest[key], latest[id(anchor)])
     for node in order:
         buckets.setdefault(bucket_of[id(node)] + (latest[id(node)],), []).append(node)
     groups = []
@@ -296,6 +303,15 @@ def _form_groups(graph: Graph, materialized, reasons):
         why = tuple(reasons[id(root)] for root in roots)
         groups.append(Group(kind, tuple(members), tuple(roots), why))
     return groups + library, grouping.extra
+
+
+def _bucket(grouping: _Grouping, node: Node) -> tuple:
+    key = grouping.reduction_key(node)
+    bucket = ("reduce", key) if key is not None else ("elementwise", node.shape)
+    if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
+        if not is_row_alias(node, key):
+            bucket = ("elementwise", node.shape)
+    return bucket
 
 
 def _depth(node: Node, materialized, bucket_of, depths, dependencies) -> int:
@@ -383,19 +399,11 @@ class _Cycle(Exception):
 def _order_groups(groups: list[Group], materialized) -> list[Group]:
     """Kernels in dependency order; raises _Cycle (with the groups on it) when merging made
     two kernels need each other."""
-    producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
     # graphlib (stdlib) rather than networkx: this runs on every new plan, and importing
     # networkx costs about a second in a fresh process.
     dependencies = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
-    for index, group in enumerate(groups):
-        for node in group.nodes:
-            for child in node.inputs:
-                if group.kind == "library":  # it reads the base of a view in place
-                    view = library_view(child)
-                    child = view[0] if view else child
-                source = producer.get(id(child))
-                if source is not None and source != index and id(child) in materialized:
-                    dependencies.add(index, source)
+    for index, sources in enumerate(_needs(groups, materialized)):
+        dependencies.add(index, *sources)
     try:
         dependencies.prepare()
     except graphlib.CycleError as cycle:
@@ -408,10 +416,35 @@ def _order_groups(groups: list[Group], materialized) -> list[Group]:
     return [groups[index] for index in order]
 
 
-def fuse(graph: Graph) -> Graph:
+def _needs(groups: list[Group], materialized) -> list[set[int]]:
+    """Per kernel, the other kernels whose written values it reads."""
+    producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
+    needs: list[set[int]] = [set() for _ in groups]
+    for index, group in enumerate(groups):
+        for node in group.nodes:
+            for child in node.inputs:
+                if group.kind == "library":  # it reads the base of a view in place
+                    view = library_view(child)
+                    child = view[0] if view else child
+                source = producer.get(id(child))
+                if source is not None and source != index and id(child) in materialized:
+                    needs[index].add(source)
+    return needs
+
+
+def fuse(graph: Graph, saved=()) -> Graph:
+    """``saved``: ``(node, reason, anchor)`` triples the save-or-recompute pass chose to
+    write (remat.py); ``anchor``, a value the kernel that computes it anyway writes: the
+    saved value joins that kernel when it fits its shape or rows (None: no anchor)."""
     materialized, reasons = _materialized(graph)
+    homes = {}
+    for node, reason, anchor in saved:
+        if id(node) not in materialized:
+            materialized[id(node)], reasons[id(node)] = node, reason
+            if anchor is not None:
+                homes[id(node)] = anchor
     for _ in range(len(graph.nodes) + 1):
-        groups, extra = _form_groups(graph, materialized, reasons)
+        groups, extra = _form_groups(graph, materialized, reasons, homes)
         if not extra:
             break
         for key, (node, reason) in extra.items():
@@ -441,12 +474,17 @@ def _split_cycle(graph, groups, on_cycle, materialized, reasons) -> list[Group]:
         if index != chosen:
             result.append(group)
             continue
-        for root in group.outputs:
-            key = grouping.reduction_key(root)
-            members = sorted(grouping.members([root], key), key=lambda n: position[id(n)])
-            has_reduce = any(get_op(n.op).kind == "reduce" for n in members)
+        # in two when its values split into those that wait for no kernel waiting for it and
+        # the rest (a forward value merged with the backward that needs a matmul of it)
+        members = lambda root: grouping.members([root], grouping.reduction_key(root))  # noqa: E731
+        parts = split_in_two(groups, chosen, _needs(groups, materialized), members)
+        for roots in parts or [[root] for root in group.outputs]:
+            key = next(filter(None, map(grouping.reduction_key, roots)), None)
+            found = sorted(grouping.members(roots, key), key=lambda n: position[id(n)])
+            has_reduce = any(get_op(n.op).kind == "reduce" for n in found)
             if key is not None and not has_reduce:  # its reduction is another kernel's now
-                members = sorted(grouping.members([root], None), key=lambda n: position[id(n)])
+                found = sorted(grouping.members(roots, None), key=lambda n: position[id(n)])
             kind = "reduce" if has_reduce else "elementwise"
-            result.append(Group(kind, tuple(members), (root,), (reasons[id(root)],)))
+            why = tuple(reasons[id(root)] for root in roots)
+            result.append(Group(kind, tuple(found), tuple(roots), why))
     return result

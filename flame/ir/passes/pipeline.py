@@ -10,6 +10,7 @@ from flame.ir.graph import Graph
 from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
+from flame.ir.passes.remat import remat
 from flame.ir.passes.simplify import simplify
 from flame.ir.passes.split import split_reductions
 from flame.ir.verify import verify
@@ -20,6 +21,7 @@ PIPELINE = (
     cse,  # one node per distinct computation
     dce,  # only what the outputs need
     fuse,  # elementwise groups -> kernels
+    remat,  # values several kernels need: saved once or recomputed (a min-cut)
 )
 
 
