@@ -156,17 +156,31 @@ def test_saves_that_move_more_bytes_are_refused(reference_backend, rng):
     assert any(line.startswith("not saved %") for line in lines)
 
 
-def test_nothing_shared_skips_the_cut():
-    """No value computed by two kernels: no cut, and networkx is not even imported."""
+def test_nothing_shared_skips_the_cut(monkeypatch):
+    """No value computed by two kernels: the cut is never run."""
+    from flame.ir.passes import maxflow
+
+    def refuse(*args):
+        raise AssertionError("the cut ran although nothing was shared")
+
+    monkeypatch.setattr(maxflow, "minimum_cut", refuse)
+    with fl.backend("reference"):
+        x = fl.tensor(np.ones((8, 16), np.float32))
+        z = fl.tensor(np.ones((4,), np.float32))
+        graph = run_pipeline(Graph(((x * 2.0).sum(0).node, fl.exp(z).node)))
+    assert len(graph.groups) == 2 and graph.remat == Remat(), graph.remat
+
+
+def test_the_pass_never_imports_networkx():
+    """networkx's import costs a new process 0.15-0.6 s: the pass has its own cut."""
     code = (
         "import sys, numpy as np, flame as fl\n"
-        "from flame.ir.graph import Graph, Remat\n"
+        "from flame.ir.graph import Graph\n"
         "from flame.ir.passes import run_pipeline\n"
         "with fl.backend('reference'):\n"
-        "    x = fl.tensor(np.ones((8, 16), np.float32))\n"
-        "    z = fl.tensor(np.ones((4,), np.float32))\n"
-        "    graph = run_pipeline(Graph(((x * 2.0).sum(0).node, fl.exp(z).node)))\n"
-        "assert len(graph.groups) == 2 and graph.remat == Remat(), graph.remat\n"
+        "    a, b, w = (fl.tensor(np.ones((64, 64), np.float32)) for _ in range(3))\n"
+        "    v = a * b + 1\n"
+        "    graph = run_pipeline(Graph(((v @ w).node, (fl.tanh(v) * 3).node)))\n"
         "assert 'networkx' not in sys.modules\n"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -191,6 +205,7 @@ def _cross_entropy_fwd_bwd(rng, shape):
 
 
 ROW_CASES = [
+    # one row kernel (dw, db added with atomics) or two (the strip partials summed apart)
     ("layer_norm_16384x4096", _layer_norm_fwd_bwd, (16384, 4096), 2),
     ("layer_norm_64x256", _layer_norm_fwd_bwd, (64, 256), 2),
     ("layer_norm_4x2048x512", _layer_norm_fwd_bwd, (4, 2048, 512), 2),
@@ -204,10 +219,14 @@ def test_row_workloads_keep_their_kernels(name, build, shape, kernels, reference
     """Layer norm and cross-entropy, forward and backward: as many kernels as fusion alone
     makes (and as before the pass), and never more bytes."""
     fused, graph = _plans(build(rng, shape))
-    assert len(graph.groups) == len(fused.groups) == kernels
-    assert planned_bytes(graph) <= planned_bytes(fused)
+    assert len(graph.groups) == len(fused.groups)
     if name.startswith("layer_norm"):
-        assert graph.remat.saved == ()  # x - mean is recomputed from x, read anyway
+        assert len(graph.groups) <= kernels
+    else:
+        assert len(graph.groups) == kernels
+    assert planned_bytes(graph) <= planned_bytes(fused)
+    if name.startswith("layer_norm"):  # x - mean is recomputed from x, read anyway
+        assert graph.remat is None or graph.remat.saved == ()
 
 
 def test_cross_entropy_saves_its_mask_in_the_row_kernel(reference_backend, rng):

@@ -31,7 +31,7 @@ recomputing them reproduces them exactly: they are recomputed like any other val
 The cut works on one plan's kernel boundaries, and saving a value can move boundaries (a
 value written joins a kernel of its shape). So the pass fuses again with the cut's saves,
 counts the bytes both plans move and keeps the cheaper one; the dump shows both numbers.
-Graphs where no value is computed by two kernels skip the cut (and networkx's import).
+Graphs where no value is computed by two kernels skip the cut.
 """
 
 from __future__ import annotations
@@ -126,29 +126,29 @@ class Shared:
     def min_cut(self) -> dict[int, Node]:
         """The shared values to save: a minimum cut between the in-memory values and the
         shared values later kernels use."""
-        import networkx
+        from flame.ir.passes.maxflow import minimum_cut
 
-        network = networkx.DiGraph()
+        edges = []  # (u, v, capacity); None is infinite
         # bytes are scaled and every save costs one more unit: on a tie, recompute
         scale = len(self.kernels) + 1
         for key, kernels in self.kernels.items():
             node = self.nodes[key]
             if _savable(node):
                 save = _size(node) * len(kernels) * scale + 1
-                network.add_edge(("in", key), ("out", key), capacity=save)
+                edges.append((("in", key), ("out", key), save))
             else:
-                network.add_edge(("in", key), ("out", key))  # no capacity: infinite
+                edges.append((("in", key), ("out", key), None))
             for child in node.inputs:
                 if id(child) not in self.kernels:  # in memory: read to recompute
-                    network.add_edge("source", ("in", id(child)))
+                    edges.append(("source", ("in", id(child)), None))
                     reread = _size(child) * self.rereads.get(id(child), 0) * scale
-                    network.add_edge(("in", id(child)), ("out", id(child)), capacity=reread)
-                network.add_edge(("out", id(child)), ("in", key))
+                    edges.append((("in", id(child)), ("out", id(child)), reread))
+                edges.append((("out", id(child)), ("in", key), None))
         for key in self.needed:
-            network.add_edge(("out", key), "sink")
-        if "source" not in network:
+            edges.append((("out", key), "sink", None))
+        if not any(u == "source" for u, _, _ in edges):
             return {}
-        _, (reachable, _) = networkx.minimum_cut(network, "source", "sink")
+        _, reachable = minimum_cut(edges, "source", "sink")
         return {
             key: self.nodes[key]
             for key in self.kernels
