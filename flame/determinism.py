@@ -6,13 +6,13 @@ strip's partial sums straight into the zeroed float32 result with ``atomicAdd`` 
 writing a ``strips x columns`` buffer that a second kernel sums. The order of those additions
 varies from run to run, so the last bits of such sums may too.
 
-``use_deterministic_algorithms(True)`` (or ``FLAME_DETERMINISTIC=1`` in the environment, the
-starting value) keeps every reduction in a fixed order: the strips write their partial rows
-and a second kernel sums them, always the same way. The choice is a context variable, as the
-backend is: two threads choosing differently never see each other's choice. It is read when a
-graph is planned, and the executor's plan cache keeps the two kinds of plan apart; for
-``flame.compile`` the mode is part of the signature (a change re-traces, and ``cache_info``
-says why).
+``use_deterministic_algorithms(True)`` (or ``FLAME_DETERMINISTIC=1`` in the process's
+environment, the starting value) keeps every reduction in a fixed order: the strips write
+their partial rows and a second kernel sums them, always the same way. The choice is a
+context variable, as the backend is: two threads choosing differently never see each other's
+choice. It is read when a graph is planned, and the executor's plan cache keeps the two
+kinds of plan apart; for ``flame.compile`` the mode is part of the signature (a change
+re-traces, and ``cache_info`` says why).
 
     fl.use_deterministic_algorithms(True)            # for the rest of this context
     with fl.use_deterministic_algorithms(True): ...  # for this block only
@@ -23,16 +23,16 @@ from __future__ import annotations
 import contextvars
 import os
 
-_current: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "flame_deterministic", default=None
+# the starting value comes from the environment, read once: the mode is asked for on every
+# plan lookup and compiled call, where an os.environ lookup would cost more than the rest
+_current: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "flame_deterministic",
+    default=os.environ.get("FLAME_DETERMINISTIC", "") not in ("", "0"),
 )
 
 
 def are_deterministic_algorithms_enabled() -> bool:
-    chosen = _current.get()
-    if chosen is not None:
-        return chosen
-    return os.environ.get("FLAME_DETERMINISTIC", "") not in ("", "0")
+    return _current.get()
 
 
 class use_deterministic_algorithms:  # noqa: N801 (PyTorch's spelling; used as a function)

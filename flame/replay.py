@@ -160,7 +160,6 @@ class GraphCache:
 
         stream = cupy.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # inputs queued before the capture are ready
-        graph = None
         with stream, cupy.cuda.using_allocator(allocator):
             stream.begin_capture()
             try:
@@ -227,45 +226,26 @@ def _one_kernel_replay(plan, launch, sources, output, executor):
 
     from cupy.cuda import get_current_stream
 
-    count = plan.slot_count
     slot, dtype, shape, site = output
-    allocation_shape, allocation_dtype = launch.shapes[0]
+    padding = [None] * (plan.slot_count - len(sources))
     recycled = [None, None]  # [array of the last call, its stream's pointer]
     refcount = sys.getrefcount
-    padding = [None] * (count - len(sources))
-    only_args = all(is_arg for is_arg, _ in sources)
-    positions = tuple(value for _, value in sources)
 
     def replay(args):
-        if only_args:
-            arrays = []
-            for position in positions:
-                node = args[position].node
-                storage = node.buffer if node.buffer is not None else node.attr("storage")
-                array = storage.array
-                arrays.append(array if array is not None else storage.device_array())
-        else:
-            arrays = bind_arrays(sources, args)
-        slots = arrays + padding
+        arrays = bind_arrays(sources, args)
         if events.active():  # the dump is listening: the executor reports the run
             slots = executor.run(plan, arrays)
             return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+        slots = arrays + padding
         last = recycled[0]
         stream = get_current_stream().ptr
         # 3 references when free: the list, ``last``, and getrefcount's own argument
         if last is not None and refcount(last) == 3 and recycled[1] == stream:
-            out = last
+            slots[slot] = last
         else:
-            out = _new_array(allocation_shape, allocation_dtype)
-            recycled[0], recycled[1] = out, stream
-        slots[slot] = out
+            launch.allocate(slots)
+            recycled[0], recycled[1] = slots[slot], stream
         launch.launch_into(slots)
-        return wrap(Storage("cuda", dtype, array=out), dtype, shape, site)
+        return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
 
     return replay
-
-
-def _new_array(shape, dtype):
-    import cupy
-
-    return cupy.ndarray(shape, dtype)

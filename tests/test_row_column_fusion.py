@@ -9,6 +9,10 @@ interpreter in both modes, and bitwise-identical reruns in deterministic mode.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -107,8 +111,7 @@ def test_deterministic_layer_norm_fwd_bwd_keeps_the_strip_sum(cuda_backend, rng)
     assert not any("atomic" in line for line in lowered.spec.extras["column_store"])
 
 
-def test_deterministic_mode_is_scoped(monkeypatch):
-    monkeypatch.delenv("FLAME_DETERMINISTIC", raising=False)
+def test_deterministic_mode_is_scoped():
     assert not fl.are_deterministic_algorithms_enabled()  # the default: atomics allowed
     with fl.use_deterministic_algorithms(True):
         assert fl.are_deterministic_algorithms_enabled()
@@ -116,10 +119,19 @@ def test_deterministic_mode_is_scoped(monkeypatch):
             assert not fl.are_deterministic_algorithms_enabled()
         assert fl.are_deterministic_algorithms_enabled()
     assert not fl.are_deterministic_algorithms_enabled()
-    monkeypatch.setenv("FLAME_DETERMINISTIC", "1")
-    assert fl.are_deterministic_algorithms_enabled()
-    with fl.use_deterministic_algorithms(False):
-        assert not fl.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_mode_starts_from_the_environment():
+    code = (
+        "import flame as fl\n"
+        "assert fl.are_deterministic_algorithms_enabled()\n"
+        "with fl.use_deterministic_algorithms(False):\n"
+        "    assert not fl.are_deterministic_algorithms_enabled()\n"
+        "assert fl.are_deterministic_algorithms_enabled()\n"
+    )
+    environment = dict(os.environ, FLAME_DETERMINISTIC="1")
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
 
 
 def _planned_peak(graph) -> int:

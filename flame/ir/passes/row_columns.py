@@ -26,7 +26,7 @@ Then, unless deterministic algorithms are asked for (``flame/determinism.py``), 
 kernel that sums the P partial rows joins too: a float32 sum over axis 0 of the strip sums
 (and views of it) that nothing else reads becomes an output of the row kernel, which adds each
 strip's partial results into it with ``atomicAdd`` (the output is zeroed before the launch;
-``flame/codegen/reduce_columns.py``). The P x row buffer is then never allocated: layer norm's
+``flame/codegen/reduce_strips.py``). The P x row buffer is then never allocated: layer norm's
 backward over [16384, 4096] float32 saves 2 x 256 x 4096 x 4 B = 8.4 MB and a launch. Sums of
 other dtypes keep the partial rows (their result would need a float32 accumulator of its own).
 """
