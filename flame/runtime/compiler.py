@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from flame._version import __version__
@@ -137,6 +136,8 @@ class KernelCache:
         items = list(sources_and_names)
         if len(items) <= 1:
             return [self.cubin(*item) for item in items]
+        from concurrent.futures import ThreadPoolExecutor  # imports logging: not at start-up
+
         context = contextvars.copy_context()  # the workers report to this context's recorders
         with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
             return list(pool.map(lambda item: context.copy().run(self.cubin, *item), items))

@@ -251,6 +251,7 @@ class Executor:
         self._lock = threading.Lock()
         self.plan_hits = 0
         self.plan_misses = 0
+        self._warm_up_pending = True
 
     def realize(self, nodes: list[Node]) -> None:
         if len(nodes) == 1:  # the common case, kept short: lazy mode pays this every call
@@ -302,7 +303,16 @@ class Executor:
             step.execute(slots)
             for slot in releases:
                 slots[slot] = None
+        if self._warm_up_pending:
+            self._start_warm_up()
         return slots
+
+    def _start_warm_up(self) -> None:
+        # After the first launches are queued, not when the executor starts: the thread's
+        # imports and library loads hold the GIL and the loader lock for ~20 ms, which a
+        # process's first result (module import, NVRTC version, kernel load) would wait on.
+        self._warm_up_pending = False
+        warmup.start()
 
     def _run_observed(self, plan: Plan, slots: list) -> list:
         times = [None] * len(plan.launches)
@@ -476,6 +486,5 @@ def default_executor() -> Executor:
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = Executor()
-            warmup.start()  # cuBLAS initializes while the first plans are built
+            _executor = Executor()  # cuBLAS warms up after its first run (_start_warm_up)
         return _executor
