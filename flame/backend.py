@@ -48,11 +48,23 @@ def realize_nodes(backend_name: str, nodes) -> None:
             events.emit("reference", outputs=list(nodes))
         reference.realize(nodes, lambda dtype, array: Storage("reference", dtype, array=array))
         return
+    _realize_on_gpu(nodes)
+
+
+def _realize_on_gpu(nodes) -> None:
+    """The first call checks for a GPU and binds the executor's module; later calls (lazy
+    mode pays one per realize) go straight to it."""
+    global _realize_on_gpu
     from flame.runtime.device import device_info
     from flame.runtime.executor import default_executor
 
     device_info()  # a clear error, naming the way out, when there is no GPU
-    default_executor().realize(nodes)
+
+    def realize(nodes) -> None:
+        default_executor().realize(nodes)
+
+    _realize_on_gpu = realize  # a GPU is there: it stays for the life of the process
+    realize(nodes)
 
 
 def synchronize() -> None:

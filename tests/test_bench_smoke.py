@@ -402,8 +402,10 @@ def test_training_report_renders_ratios_from_its_fields():
         "torch_fused": entry(2.4, 2.5), "torch_foreach": entry(4.8, 5.0),
         "max_relative_difference_vs_torch_fused": 1e-6,
     }  # fmt: skip
-    mlp = {name: {**entry(d, d), "tflop_s": 700.0} for name, d in
-           (("flame", 9.0), ("torch_eager", 9.9), ("torch_compile", 9.45))}
+    mlp = {
+        name: {**entry(d, d), "tflop_s": 700.0}
+        for name, d in (("flame", 9.0), ("torch_eager", 9.9), ("torch_compile", 9.45))
+    }
     mlp["first_step_cold"] = {"first_step_s": 0.6, "import_s": 0.5}
     mlp["first_step_warm"] = {"first_step_s": 0.2, "import_s": 0.5}
     text = markdown({"device": "test", "adamw": adamw, "mlp": mlp})

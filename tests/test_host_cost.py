@@ -12,7 +12,7 @@ import pytest
 
 import flame as fl
 from flame.ir.node import format_site, user_site
-from flame.runtime.executor import linearize
+from flame.runtime.executor import linearize, match_walk, record_walk
 
 
 def _line() -> int:
@@ -146,3 +146,137 @@ def test_linearize_key_separates_structures(xy):
     assert len(keys) == 5 or len(keys) == 6  # x*y and y*x: same structure, same layout
     assert linearize([(x * y).node])[2] == linearize([(y * x).node])[2]
     assert linearize([(x * y).node])[2] != linearize([(x * x).node])[2]
+
+
+# --- recorded walks: lazy mode's check of a graph against the last one built at its line ---
+
+
+def _recorded(value):
+    order, _, key = linearize([value.node])
+    return record_walk(order, key)
+
+
+def _inputs_ids(nodes):
+    return None if nodes is None else [id(node) for node in nodes]
+
+
+def test_recorded_walk_matches_the_same_expression_built_again(xy):
+    x, y = xy
+    entries = _recorded(fl.tanh(x * y + 2.0) * x - fl.exp(y))
+    again = fl.tanh(x * y + 2.0) * x - fl.exp(y)
+    _, inputs, _ = linearize([again.node])
+    assert _inputs_ids(match_walk(entries, again.node)) == _inputs_ids(inputs)
+
+
+def test_recorded_walk_takes_other_inputs_of_the_same_type_and_layout(xy):
+    x, y = xy
+    z = fl.tensor(np.full(4, 3.0, dtype=np.float32)).realize()
+    entries = _recorded(x * y + 1.0)
+    assert _inputs_ids(match_walk(entries, (z * x + 1.0).node)) == _inputs_ids([z.node, x.node])
+
+
+def test_recorded_walk_rejects_every_difference_the_plan_key_holds(xy):
+    x, y = xy
+    entries = _recorded(fl.leaky_relu(x * y, 0.1) + 1.0)
+    columns = fl.tensor(np.arange(8, dtype=np.float32).reshape(2, 4)).realize()
+    strided = fl.tensor(np.arange(8, dtype=np.float32)).realize()[::2]
+    halves = fl.tensor(np.ones(4, dtype=np.float16)).realize()
+    different = {
+        "op": fl.leaky_relu(x + y, 0.1) + 1.0,
+        "constant": fl.leaky_relu(x * y, 0.1) + 2.0,
+        "order of operands": fl.leaky_relu(x * y, 0.1) * 1.0,
+        "shape": fl.leaky_relu(columns * columns, 0.1) + 1.0,
+        "layout": fl.leaky_relu(strided * y, 0.1) + 1.0,
+        "dtype": fl.leaky_relu(halves.to(fl.float32) * y, 0.1) + 1.0,
+        "depth": fl.leaky_relu(fl.exp(x) * y, 0.1) + 1.0,
+        "attribute": fl.leaky_relu(x * y, 0.2) + 1.0,
+    }
+    for name, value in different.items():
+        assert match_walk(entries, value.node) is None, name
+
+
+def test_recorded_walk_rejects_less_sharing_and_realized_values(xy):
+    x, y = xy
+    assert match_walk(_recorded(x * x), (x * y).node) is None
+    product = x * y
+    entries = _recorded(product + 1.0)
+    realized = x * y
+    realized.realize()  # now an input of the next graph, not a product to compute
+    assert match_walk(entries, (realized + 1.0).node) is None
+    unrealized = x * y
+    assert match_walk(_recorded(realized + 1.0), (unrealized + 1.0).node) is None
+
+
+def test_recorded_walk_with_more_sharing_binds_the_shared_input_twice(xy):
+    # x * x after x * y: the plan for x * y computes x * x when given x twice; no walk needed
+    x, y = xy
+    assert _inputs_ids(match_walk(_recorded(x * y), (x * x).node)) == _inputs_ids([x.node] * 2)
+
+
+def _random_program(rng, leaves: int, length: int) -> list:
+    program = []
+    for index in range(length):
+        available = leaves + index
+        kind = rng.integers(4)
+        if kind == 0:
+            program.append(("exp", int(rng.integers(available))))
+        elif kind == 1:
+            program.append(("mul", int(rng.integers(available)), int(rng.integers(available))))
+        elif kind == 2:
+            program.append(("add", int(rng.integers(available)), int(rng.integers(available))))
+        else:
+            program.append(("scale", int(rng.integers(available)), float(rng.integers(1, 3))))
+    return program
+
+
+def _build(program, leaves: list):
+    values = list(leaves)
+    for step in program:
+        if step[0] == "exp":
+            values.append(fl.exp(values[step[1]]))
+        elif step[0] == "mul":
+            values.append(values[step[1]] * values[step[2]])
+        elif step[0] == "add":
+            values.append(values[step[1]] + values[step[2]])
+        else:
+            values.append(values[step[1]] * step[2])
+    return values[-1]
+
+
+def _mutated(rng, program: list, leaves: int) -> list:
+    program = list(program)
+    position = int(rng.integers(len(program)))
+    step = list(program[position])
+    field = int(rng.integers(1, len(step)))
+    if isinstance(step[field], float):
+        step[field] = 3.0 - step[field]
+    else:
+        step[field] = int(rng.integers(leaves + position))
+    program[position] = tuple(step)
+    return program
+
+
+def test_recorded_walk_agrees_with_linearize_on_random_graphs(xy):
+    """Equal keys: the walk matches and finds linearize's inputs. A match with another key
+    only where the new graph shares more (fewer distinct nodes), which the plan computes."""
+    x, y = xy
+    z = fl.tensor(np.full(4, 0.5, dtype=np.float32)).realize()
+    rng = np.random.default_rng(7)
+    matched = rejected = 0
+    for _ in range(300):
+        program = _random_program(rng, 3, int(rng.integers(1, 12)))
+        first = _build(program, [x, y, z])
+        order, _, key = linearize([first.node])
+        entries = record_walk(order, key)
+        second_program = program if rng.random() < 0.3 else _mutated(rng, program, 3)
+        leaves = [x, y, z] if rng.random() < 0.7 else [z, x, y]
+        second = _build(second_program, leaves)
+        second_order, second_inputs, second_key = linearize([second.node])
+        got = match_walk(entries, second.node)
+        if second_key == key:
+            assert _inputs_ids(got) == _inputs_ids(second_inputs)
+        elif got is not None:
+            assert len(second_order) < len(order)
+        matched += got is not None
+        rejected += got is None
+    assert matched > 50 and rejected > 50  # both sides of the check were exercised

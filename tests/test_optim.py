@@ -313,9 +313,7 @@ RULES = [
 
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize(
-    "rule,dtypes,hyper,into", RULES, ids=lambda v: getattr(v, "__name__", "")
-)
+@pytest.mark.parametrize("rule,dtypes,hyper,into", RULES, ids=lambda v: getattr(v, "__name__", ""))
 def test_multi_tensor_kernels_compile(rule, dtypes, hyper, into, aligned, wide, nvrtc):
     from flame.runtime.compiler import nvrtc_compile
 

@@ -20,7 +20,7 @@ from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import Graph, is_input
-from flame.ir.node import Node
+from flame.ir.node import Node, Token
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
@@ -31,6 +31,8 @@ from flame.runtime.storage import Storage
 
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 PLAN_CACHE_SIZE = 512
+WALK_SITES = 256  # lines of user code whose last graphs' walks are kept (lazy mode)
+WALKS_PER_SITE = 4
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,96 @@ def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
     return order, inputs, tuple(parts)
 
 
+def record_walk(order: list[Node], key: tuple) -> tuple | None:
+    """A graph's walk, kept so that the next graph built the same way is checked against it
+    instead of walked again (``match_walk``): per node, root first, (None, (dtype, shape,
+    layout)) for an input, (False, (op, attrs, dtype, shape)) for an op without inputs, and
+    (op, attrs, *input positions) otherwise -- ``linearize``'s key, positions counted from
+    the root. None for a graph with a ``Token`` (a recomputation, unique to its graph: the
+    next graph's would never match)."""
+    count = len(order)
+    entries = []
+    for node, part in zip(order, key):
+        if node.buffer is not None or node.op == "buffer":
+            entries.append((None, part))
+            continue
+        for _, value in node.attrs:
+            if type(value) is Token:
+                return None
+        if not node.inputs:
+            entries.append((False, part))
+        else:
+            entries.append((node.op, node.attrs, *(count - 1 - index for index in part[2:])))
+    entries.reverse()
+    return tuple(entries)
+
+
+def match_walk(entries: tuple, root: Node) -> list[Node] | None:
+    """The graph behind ``root`` checked against a recorded walk: its inputs in
+    ``linearize``'s order when ``linearize`` would give the recorded key (the same ops,
+    attributes and sharing; inputs of the same type and layout), else None.
+
+    Lazy mode's fast path: a loop that builds the same expression every step pays one
+    pass of identity and equality checks per node, not the walk with its position table.
+    The nodes are visited root first; each op node places its inputs at their recorded
+    positions, and an input already placed there must be the same object."""
+    nodes = [None] * len(entries)
+    nodes[0] = root
+    inputs = []
+    for node, entry in zip(nodes, entries):  # ``nodes`` is filled ahead of the loop
+        op = entry[0]
+        if op is None:
+            storage = node.buffer
+            if storage is None:
+                if node.op != "buffer":
+                    return None
+                storage = node.attr("storage")
+            if (node.dtype, node.shape, storage.layout()) != entry[1]:
+                return None
+            inputs.append(node)
+            continue
+        if node.buffer is not None:
+            return None
+        if op is False:
+            if node.inputs or (node.op, node.attrs, node.dtype, node.shape) != entry[1]:
+                return None
+            continue
+        if node.op != op or node.attrs != entry[1]:
+            return None
+        children = node.inputs
+        count = len(children)
+        if len(entry) != count + 2:
+            return None
+        if count == 2:
+            first, second = children
+            placed = nodes[entry[2]]
+            if placed is None:
+                nodes[entry[2]] = first
+            elif placed is not first:
+                return None
+            placed = nodes[entry[3]]
+            if placed is None:
+                nodes[entry[3]] = second
+            elif placed is not second:
+                return None
+        elif count == 1:
+            index, child = entry[2], children[0]
+            placed = nodes[index]
+            if placed is None:
+                nodes[index] = child
+            elif placed is not child:
+                return None
+        else:
+            for child, index in zip(children, entry[2:]):
+                placed = nodes[index]
+                if placed is None:
+                    nodes[index] = child
+                elif placed is not child:
+                    return None
+    inputs.reverse()
+    return inputs
+
+
 class Executor:
     """Plans and runs graphs on the current CUDA device. Thread-safe."""
 
@@ -252,11 +344,17 @@ class Executor:
         self.plan_hits = 0
         self.plan_misses = 0
         self._warm_up_pending = True
+        # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
+        # -> up to WALKS_PER_SITE (entries, plan), newest first
+        self._walks: dict[tuple, tuple] = {}
 
     def realize(self, nodes: list[Node]) -> None:
         if len(nodes) == 1:  # the common case, kept short: lazy mode pays this every call
             node = nodes[0]
             if node.buffer is not None or node.op == "buffer":
+                return
+            if not events.active():  # a dump listening sees every plan lookup
+                self._realize_one(node)
                 return
             pending = [node]
         else:
@@ -276,6 +374,36 @@ class Executor:
         slots = self.run(plan, arrays)
         for node, slot in zip(pending, plan.output_slots):
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+
+    def _realize_one(self, node: Node) -> None:
+        """One lazy result. A graph built at the same line as an earlier one is checked
+        against that one's recorded walk (``match_walk``) and runs its plan; otherwise it is
+        walked, planned, and its walk recorded."""
+        site = (node.op, node.site, node.shape, node.dtype, are_deterministic_algorithms_enabled())
+        walks = self._walks.get(site, ())
+        plan = None
+        for entries, recorded in walks:
+            inputs = match_walk(entries, node)
+            if inputs is not None:
+                plan = recorded
+                self.plan_hits += 1
+                break
+        if plan is None:
+            order, inputs, key = linearize([node])
+            plan = self.plan_for([node], inputs, key)
+            entries = record_walk(order, key)
+            if entries is not None:
+                with self._lock:
+                    if site not in self._walks and len(self._walks) >= WALK_SITES:
+                        self._walks.pop(next(iter(self._walks)))
+                    self._walks[site] = ((entries, plan), *walks[: WALKS_PER_SITE - 1])
+        arrays = []
+        for leaf in inputs:
+            storage = leaf.buffer if leaf.buffer is not None else leaf.attr("storage")
+            array = storage.array
+            arrays.append(array if array is not None else storage.device_array())
+        slots = self.run(plan, arrays)
+        node.buffer = Storage("cuda", node.dtype, array=slots[plan.output_slots[0]])
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
