@@ -102,7 +102,8 @@ def flame_only_row(row: dict) -> list[str]:
     flame = row["results"]["flame"]
     cell = status_cell(flame)
     if cell is None and "build" in flame:
-        cell = f"{number(flame['build']['median_us_per_op'])} µs/op"
+        unit = "µs/call" if "unit_note" in flame else "µs/op"  # tiny20_compiled: per call
+        cell = f"{number(flame['build']['median_us_per_op'])} {unit}"
     elif cell is None:
         cold = flame["cold"]["process_start_to_first_result_ms"]
         warm = flame["warm"]["process_start_to_first_result_ms"]

@@ -318,7 +318,7 @@ WORKLOADS = (
     Workload(
         name="tiny20_compiled",
         kind=FLAME_ONLY,
-        description="the 20 tiny ops through flame.compile: host µs per call (cell says µs/op)",
+        description="the 20 tiny ops through flame.compile: host µs per call",
         inputs=floats(((1024,), (1024,)), ((1024,), (1024,))),
         expression=expressions.tiny20,
         runner=flame_only.compiled_host,

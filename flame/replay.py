@@ -245,7 +245,7 @@ def _one_kernel_replay(plan, launch, sources, output, executor):
         else:
             launch.allocate(slots)
             recycled[0], recycled[1] = slots[slot], stream
-        launch.launch_into(slots)
+        launch.launch_into(slots, stream)
         return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
 
     return replay

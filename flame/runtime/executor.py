@@ -85,9 +85,11 @@ class Launch:
         for slot, shape, dtype in self._allocations:
             slots[slot] = ndarray(shape, dtype)
 
-    def launch_into(self, slots: list) -> None:
-        """Launch on the current stream with the buffers already in ``slots``."""
-        stream = _current_stream().ptr
+    def launch_into(self, slots: list, stream: int | None = None) -> None:
+        """Launch on ``stream`` (a pointer; the current stream when None) with the buffers
+        already in ``slots``."""
+        if stream is None:
+            stream = _current_stream().ptr
         for slot, size in self.zeroed:  # a memset node of a captured CUDA graph, too
             _cupy().cuda.runtime.memsetAsync(slots[slot].data.ptr, 0, size, stream)
         with self._lock:  # the parameter block is shared by every call of this launch
