@@ -329,16 +329,12 @@ def _operand_error(op_name: str, value) -> TypeError:
 
 
 def _result_dtype(op, tensors, scalars, op_name) -> dtypes.DType:
-    if tensors:
+    if len(tensors) == 1 and not scalars:
         result = tensors[0].dtype
-        for tensor in tensors[1:]:
-            result = dtypes.promote(result, tensor.dtype)
-        for value in scalars:
-            result = dtypes.promote_scalar(result, value)
-    else:
-        result = dtypes.scalar_dtype(scalars[0])
-        for value in scalars[1:]:
-            result = dtypes.promote_scalar(result, value)
+    else:  # PyTorch's tiers: tensors with dimensions, then 0-d tensors, then Python numbers
+        dimensioned = [tensor.dtype for tensor in tensors if tensor.node.shape]
+        zero_dim = [tensor.dtype for tensor in tensors if not tensor.node.shape]
+        result = dtypes.result_type(dimensioned, zero_dim, scalars)
     if op.promotion == "int_to_float" and not result.is_float:
         result = dtypes.DEFAULT_FLOAT
     if not op.accepts(result.category):

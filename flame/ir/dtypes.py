@@ -7,7 +7,11 @@ Promotion follows PyTorch:
 * ``float16`` with ``bfloat16`` gives ``float32`` (neither holds the other);
 * Python scalars are *weak*: they only raise the category. ``int32_tensor + 2`` stays ``int32``,
   ``int32_tensor + 2.5`` becomes ``float32`` (the default float), ``float16_tensor * 2.0`` stays
-  ``float16``.
+  ``float16``;
+* zero-dimensional tensors are weak against tensors with dimensions, in the same way:
+  ``float16[n] + float32[]`` is ``float16``, ``int32[n] + int64[]`` is ``int32``, and
+  ``int32[n] + float16[]`` is ``float16`` (the zero-dimensional tensor's dtype when its category
+  is higher). Among tensors of one kind the table below applies (``result_type``).
 
 | a \\ b      | bool  | int32 | int64 | float16 | bfloat16 | float32 |
 | ---------- | ----- | ----- | ----- | ------- | -------- | ------- |
@@ -108,6 +112,31 @@ def promote(a: DType, b: DType) -> DType:
     if a.rank == b.rank:  # float16 vs bfloat16
         return float32
     return a if a.rank > b.rank else b
+
+
+def result_type(dimensioned, zero_dim, scalars) -> DType:
+    """PyTorch's result type of an op's operands, in three tiers of decreasing priority:
+    tensors with dimensions, zero-dimensional tensors, Python scalars (each tier's dtypes
+    promoted by the table). A lower tier decides only when its category is higher."""
+    tiers = [None, None, None]
+    for tier, members in enumerate((dimensioned, zero_dim, [scalar_dtype(v) for v in scalars])):
+        for dtype in members:
+            tiers[tier] = dtype if tiers[tier] is None else promote(tiers[tier], dtype)
+    result = _combine(tiers[0], _combine(tiers[1], tiers[2]))
+    if result is None:
+        raise ValueError("result_type: no operands")
+    return result
+
+
+def _combine(higher: DType | None, lower: DType | None) -> DType | None:
+    """A tier's dtype with the dtype of the tiers below it (c10's ``combine_categories``)."""
+    if higher is None:
+        return lower
+    if lower is None or higher.is_float:
+        return higher
+    if higher.is_bool or lower.is_float:
+        return promote(higher, lower)
+    return higher
 
 
 def scalar_category(value) -> int:
