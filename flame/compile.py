@@ -78,12 +78,23 @@ class CacheInfo:
     graph_failures: list = field(default_factory=list)  # captures that failed, and why
 
 
+@dataclass(frozen=True)
+class OutputSpec:
+    """What replaying needs of a traced output to wrap its buffer as a tensor."""
+
+    dtype: object
+    shape: tuple
+    site: object
+
+
 @dataclass
 class _Program:
-    out_nodes: tuple  # computed outputs, in plan order
+    # computed outputs, in plan order: on CUDA their ``OutputSpec`` (type and user line; the
+    # traced nodes would keep the first call's arguments alive), on the reference backend the
+    # traced nodes, which it evaluates
+    out_nodes: tuple
     sources: tuple  # per plan input: ("arg", position) | ("storage", Storage) | ("grad", index)
     plan: object  # executor Plan (CUDA) or None (reference)
-    placeholders: tuple  # the traced argument nodes, by position (None for non-tensors)
     treedef: object  # how to rebuild fn's result from its flat outputs
     flat: tuple  # per flat result: ("out", index into out_nodes) | ("arg", position)
     grads: tuple  # (weakref to owner, had a grad at trace time, flat index of the new grad)
@@ -353,10 +364,7 @@ class CompiledFunction:
                     computed.append(node)
                 flat.append(("out", seen[id(node)]))
         grad_entries = tuple((weakref.ref(owner), had, index) for owner, had, index in grads)
-        common = dict(
-            placeholders=tuple(placeholders), treedef=treedef, flat=tuple(flat),
-            grads=grad_entries,
-        )  # fmt: skip
+        common = dict(treedef=treedef, flat=tuple(flat), grads=grad_entries)
         backend = leaves[0].backend
         if not computed:
             return _Program((), (), None, **common)
@@ -378,7 +386,8 @@ class CompiledFunction:
 
         plan = default_executor().plan_for(computed, inputs, key)
         # the plan's outputs come back in the order it was asked for them
-        program = _Program(tuple(computed), sources, plan, **common)
+        outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
+        program = _Program(outputs, sources, plan, **common)
         if not grads and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):

@@ -172,6 +172,13 @@ class GraphCache:
                 graph = stream.end_capture()
         graph.upload(current)
         self.info.graph_captures += 1
+        # The graph reads its inputs at the addresses it was captured with, which are this
+        # entry's key: it needs their addresses, not the arrays, so the caller's memory is
+        # not kept alive by the cache (an address reused by another array of the program's
+        # signature is that array's, read anew at each replay).
+        for index in range(len(arrays)):
+            if index not in plan.output_slots:
+                slots[index] = None
         return [graph, slots, [None] * len(plan.output_slots), held]
 
 

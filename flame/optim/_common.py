@@ -26,6 +26,16 @@ def scalars(values, like: Tensor) -> Tensor:
         return tensor(np.asarray(values, dtype=np.float32))
 
 
+def in_float32(*tensors: Tensor) -> list[Tensor]:
+    """The update rules' operands in float32: the arithmetic of a step runs in float32 and
+    its results are rounded once, when they are written back to parameters and state of a
+    narrower type (the per-step values are zero-dimensional, so they do not widen a
+    float16/bfloat16 parameter by promotion, as in PyTorch)."""
+    from flame.ir import dtypes
+
+    return [t if t.dtype is dtypes.float32 else t.to(dtypes.float32) for t in tensors]
+
+
 def grad_of(param: Tensor) -> Tensor:
     grad = param.grad
     if grad.node.shape == param.node.shape and grad.node.dtype is param.node.dtype:

@@ -6,7 +6,7 @@ import math
 
 from flame import functional as F
 from flame.foreach import foreach
-from flame.optim._common import grad_of, scalars, zeros_state
+from flame.optim._common import grad_of, in_float32, scalars, zeros_state
 from flame.optim.optimizer import Optimizer
 
 # the per-step values every parameter of a group reads, in the order the rules index them
@@ -21,6 +21,7 @@ def _moments(p, g, m, v, h):
 
 
 def adam_rule(p, g, m, v, h):
+    p, g, m, v = in_float32(p, g, m, v)
     m, v = _moments(p, g, m, v, h)
     denom = F.sqrt(v) / h[_BC2_SQRT] + h[_EPS]
     p = p * h[_DECAY] - h[_STEP_SIZE] * (m / denom)  # decay: AdamW's 1 - lr * weight_decay
@@ -28,6 +29,7 @@ def adam_rule(p, g, m, v, h):
 
 
 def adam_amsgrad_rule(p, g, m, v, vmax, h):
+    p, g, m, v, vmax = in_float32(p, g, m, v, vmax)
     m, v = _moments(p, g, m, v, h)
     vmax = F.maximum(vmax, v)
     denom = F.sqrt(vmax) / h[_BC2_SQRT] + h[_EPS]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flame.foreach import foreach
-from flame.optim._common import grad_of, scalars, zeros_state
+from flame.optim._common import grad_of, in_float32, scalars, zeros_state
 from flame.optim.optimizer import Optimizer
 
 # per-step values: learning rate, L2 weight decay, momentum, the buffer's two coefficients
@@ -12,17 +12,20 @@ _LR, _WD, _MOMENTUM, _KEEP, _TAKE, _SIGN = range(6)
 
 
 def sgd_rule(p, g, h):
+    p, g = in_float32(p, g)
     g = g * h[_SIGN] + p * h[_WD]
     return p - h[_LR] * g
 
 
 def sgd_momentum_rule(p, g, buf, h):
+    p, g, buf = in_float32(p, g, buf)
     g = g * h[_SIGN] + p * h[_WD]
     buf = buf * h[_KEEP] + g * h[_TAKE]
     return p - h[_LR] * buf, buf
 
 
 def sgd_nesterov_rule(p, g, buf, h):
+    p, g, buf = in_float32(p, g, buf)
     g = g * h[_SIGN] + p * h[_WD]
     buf = buf * h[_KEEP] + g * h[_TAKE]
     return p - h[_LR] * (g + h[_MOMENTUM] * buf), buf

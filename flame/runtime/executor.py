@@ -20,14 +20,14 @@ from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import Graph, is_input
-from flame.ir.node import Node, Token
+from flame.ir.node import Node, Token, toposort
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
 from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import device_info
-from flame.runtime.storage import Storage
+from flame.runtime.storage import PlannedInput, Storage
 
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 PLAN_CACHE_SIZE = 512
@@ -149,6 +149,7 @@ class Plan:
     # pool reuses them for later outputs); and the bytes live at the worst point of the plan
     releases: tuple[tuple[int, ...], ...] = ()
     planned_peak_bytes: int = 0
+    inputs: tuple[Node, ...] = ()  # the graph's input stand-ins, in slot order
 
 
 def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
@@ -465,6 +466,7 @@ class Executor:
     def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
         start = time.perf_counter()
         observed = bool(events.active())
+        pending, inputs = _over_stand_ins(pending, inputs)
         graph = run_pipeline(Graph(tuple(pending)), record=observed)
         if observed:
             graph, passes = graph
@@ -491,8 +493,9 @@ class Executor:
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
         releases, peak = _plan_memory(launches, len(inputs), output_slots, graph, slot_of)
         plan = Plan(
-            launches, slot_count, output_slots, graph, time.perf_counter() - start, releases, peak
-        )
+            launches, slot_count, output_slots, graph, time.perf_counter() - start, releases,
+            peak, tuple(inputs),
+        )  # fmt: skip
         if observed:
             events.emit("plan", plan=plan, passes=passes, seconds=plan.plan_seconds, cached=False)
         return plan
@@ -512,6 +515,26 @@ class Executor:
                     self._functions[key] = function
             functions.append(function[1])
         return functions
+
+
+def _over_stand_ins(pending: list[Node], inputs: list[Node]) -> tuple[list[Node], list[Node]]:
+    """The graph rebuilt over stand-ins of its inputs (``PlannedInput``: type and layout, no
+    memory), for a plan to keep: neither its graph nor its library calls hold the caller's
+    nodes, their arrays, or the nodes behind a realized value alive."""
+    mapped: dict[int, Node] = {}
+    stand_ins = []
+    for node in inputs:
+        storage = node.buffer if node.buffer is not None else node.attr("storage")
+        planned = PlannedInput(storage.backend, node.dtype, storage.layout())
+        stand_in = Node("buffer", (), (("storage", planned),), node.dtype, node.shape, node.site)
+        mapped[id(node)] = stand_in
+        stand_ins.append(stand_in)
+    for node in toposort(pending, stop=is_input):
+        if id(node) not in mapped:  # rebuilt, even over the same inputs: the caller's nodes
+            # get their results memoized in ``buffer`` once this plan ran
+            inputs = tuple(mapped[id(child)] for child in node.inputs)
+            mapped[id(node)] = Node(node.op, inputs, node.attrs, node.dtype, node.shape, node.site)
+    return [mapped[id(node)] for node in pending], stand_ins
 
 
 def _reads(step) -> list[int]:

@@ -62,6 +62,37 @@ class Storage:
         return self.array.data.ptr % vector_bytes == 0
 
 
+class PlannedInput:
+    """What a cached plan keeps of one of its inputs: type and layout, never the memory.
+
+    A plan outlives the call that made it (the executor's cache, lazy mode's recorded walks,
+    compiled programs), so its graph is built over these stand-ins: deleting a tensor frees
+    its memory even though a plan once read it."""
+
+    __slots__ = ("backend", "dtype", "_layout", "__weakref__")
+    array = None
+    host = None
+
+    def __init__(self, backend: str, dtype: dtypes.DType, layout: tuple):
+        self.backend = backend
+        self.dtype = dtype
+        self._layout = layout
+
+    def layout(self) -> tuple:
+        return self._layout
+
+    def strides(self) -> tuple[int, ...]:
+        return self._layout[0]
+
+    def aligned(self, vector_bytes: int = 16) -> bool:
+        if vector_bytes != 16:
+            raise ValueError("a planned input knows its 16-byte alignment only")
+        return self._layout[1]
+
+    def device_array(self):
+        raise RuntimeError("a plan's input stand-in holds no memory; bind the caller's array")
+
+
 def storage_of(node) -> Storage:
     """The memory of a realized node (its memo) or of a data leaf (its attribute)."""
     return node.buffer if node.buffer is not None else node.attr("storage")

@@ -182,7 +182,8 @@ class CheckRecorder:
         self.plans_checked += 1
         graph = plan.graph
         names = node_names(graph)
-        known: dict[int, np.ndarray] = {}
+        # the plan's inputs are stand-ins without memory: their values are the bound slots
+        known = {id(node): _host(slots[slot], node) for slot, node in enumerate(plan.inputs)}
         for index, (group, launch) in enumerate(zip(graph.groups, plan.launches)):
             if isinstance(launch, LibraryCall):
                 known[id(launch.node)] = _host(slots[launch.output], launch.node)
