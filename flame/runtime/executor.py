@@ -73,15 +73,14 @@ class Launch:
         setter(self, "_lock", threading.Lock())
 
     def execute(self, slots: list) -> None:
-        cupy = _cupy()
-        ndarray = cupy.ndarray
+        ndarray = _ndarray()
         for slot, shape, dtype in self._allocations:
             slots[slot] = ndarray(shape, dtype)
         self.launch_into(slots)
 
     def allocate(self, slots: list) -> None:
         """Fill this launch's output slots with new buffers (before a CUDA-graph capture)."""
-        ndarray = _cupy().ndarray
+        ndarray = _ndarray()
         for slot, shape, dtype in self._allocations:
             slots[slot] = ndarray(shape, dtype)
 
@@ -405,7 +404,8 @@ class Executor:
             storage = leaf.buffer if leaf.buffer is not None else leaf.attr("storage")
             array = storage.array
             arrays.append(array if array is not None else storage.device_array())
-        slots = self.run(plan, arrays)
+        arrays += [None] * (plan.slot_count - len(arrays))
+        slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
         node.buffer = Storage("cuda", node.dtype, array=slots[plan.output_slots[0]])
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
@@ -430,6 +430,9 @@ class Executor:
         slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
         if events.active():
             return self._run_observed(plan, slots)
+        return self._run_steps(plan, slots)
+
+    def _run_steps(self, plan: Plan, slots: list) -> list:
         for step, releases in zip(plan.launches, plan.releases):
             step.execute(slots)
             for slot in releases:
@@ -575,6 +578,13 @@ def _cupy():
     return cupy
 
 
+def _ndarray():
+    global _ndarray
+    ndarray = _cupy().ndarray
+    _ndarray = lambda: ndarray  # noqa: E731  bound on first use, as below
+    return ndarray
+
+
 def _current_stream():
     global _current_stream
     _current_stream = _cupy().cuda.get_current_stream  # bound on first use, as below
@@ -637,6 +647,9 @@ _executor_lock = threading.Lock()
 
 def default_executor() -> Executor:
     global _executor
+    executor = _executor
+    if executor is not None:  # set once, never replaced: no lock needed to read it
+        return executor
     with _executor_lock:
         if _executor is None:
             _executor = Executor()  # cuBLAS warms up after its first run (_start_warm_up)
