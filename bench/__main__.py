@@ -82,7 +82,11 @@ def main(argv=None) -> int:
 
         options = make_options(arguments, harness)
         session = harness.open_session(options, scratch)
-        rows = [harness.run_workload(session, workload) for workload in selected]
+        by_name = {
+            workload.name: harness.run_workload(session, workload)
+            for workload in harness.host_bound_first(selected)
+        }
+        rows = [by_name[workload.name] for workload in selected]  # reported in the usual order
         versions = environment.library_versions()
         seconds = time.perf_counter() - started
         data = report.build_report(session, rows, versions, started_wall, seconds)

@@ -133,7 +133,9 @@ def header_lines(report: dict) -> list[str]:
     lines.append(
         f"- timing: median of {options['repeats']} after {options['warmup']} warm-up calls "
         f"(minimum in bench.json); host overhead over {options['host_calls']} calls; "
-        "compile caches empty at the start of the run; started "
+        "host-bound rows first, torch.compile last in each row (its background threads slow "
+        "every host measurement after it); compile caches empty at the start of the run; "
+        "started "
         f"{report['started']}, {report['seconds']:.0f} s"
     )
     return lines + [""]

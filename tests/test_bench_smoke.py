@@ -412,3 +412,20 @@ def test_training_report_renders_ratios_from_its_fields():
     assert "| torch_fused | 2.400 | 1.60x | 1.50x | 2.500 | 1.25x |" in text
     assert "| torch_compile | 9.450 | 700 | 1.05x |" in text
     assert "warm disk cache 0.200 s" in text
+
+
+def test_host_bound_rows_run_before_torch_compile_threads_exist():
+    from types import SimpleNamespace
+
+    from bench import harness
+    from bench.workloads import DEVICE, WORKLOADS
+
+    order = harness.host_bound_first(list(WORKLOADS))
+    kinds = [workload.kind == DEVICE for workload in order]
+    assert kinds == sorted(kinds) and any(kinds) and not all(kinds)  # host rows, then device
+    assert sorted(w.name for w in order) == sorted(w.name for w in WORKLOADS)
+    systems = [
+        SimpleNamespace(key=key) for key in ("torch_compile", "flame", "cupy_fuse", "torch_eager")
+    ]
+    keys = [system.key for system in harness.peers_first(systems)]
+    assert keys[0] == "torch_eager" and keys[-1] == "torch_compile"
