@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     started_wall = time.strftime("%Y-%m-%d %H:%M:%S %z")
     started = time.perf_counter()
     with environment.scratch_directory(isolate_caches=not arguments.warm_caches) as scratch:
+        environment.warm_python_bytecode(scratch, with_torch=arguments.backend == "cuda")
         # Imported only now: the cache variables must be set before torch, CuPy or FLAME load.
         from bench import harness, report
 

@@ -134,7 +134,8 @@ def header_lines(report: dict) -> list[str]:
         f"- timing: median of {options['repeats']} after {options['warmup']} warm-up calls "
         f"(minimum in bench.json); host overhead over {options['host_calls']} calls; "
         "host-bound rows first, torch.compile last in each row (its background threads slow "
-        "every host measurement after it); compile caches empty at the start of the run; "
+        "every host measurement after it); compile caches empty at the start of the run, "
+        "Python bytecode written first as an installed package has it; "
         "started "
         f"{report['started']}, {report['seconds']:.0f} s"
     )
