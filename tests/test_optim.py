@@ -331,3 +331,26 @@ def test_multi_tensor_kernels_compile(rule, dtypes, hyper, into, aligned, wide, 
     stored = [output.dtype for output in low.lowered.outputs]
     assert sorted(d.name for d in stored) == sorted(dtypes[i].name for i in into)
     assert len(nvrtc_compile(source, low.spec.name, "sm_90")) > 0
+
+
+@pytest.mark.gpu
+def test_per_step_values_reach_the_gpu_in_order(rng):
+    """The learning rate changes every step; the per-step values go through a ring of
+    page-locked buffers copied asynchronously, reused every ScalarUploads.SLOTS steps: after
+    more steps than that, the GPU's parameters equal the reference backend's."""
+    from flame.optim._common import ScalarUploads
+
+    init = rng.standard_normal(4096).astype(np.float32)
+    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(3)]
+    results = {}
+    for backend in ("cuda", "reference"):
+        with fl.backend(backend):
+            param = fl.tensor(init).realize().requires_grad_()
+            opt = fl.optim.AdamW([param], lr=0.01, weight_decay=0.05)
+            for step in range(3 * ScalarUploads.SLOTS + 1):
+                opt.param_groups[0]["lr"] = 0.01 * (1 + step % 5)
+                param.grad = fl.tensor(grads[step % 3])
+                opt.step()
+            results[backend] = param.numpy()
+    np.testing.assert_allclose(results["cuda"], results["reference"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(results["cuda"], init, atol=1e-3)

@@ -85,7 +85,7 @@ class Adam(Optimizer):
         values[_SIGN] = -1.0 if group["maximize"] else 1.0
         params = [param for param, _ in members]
         states = [state for _, state in members]
-        h = scalars(values, params[0])
+        h = scalars(values, params[0], self._uploads)
         lists = [params, [grad_of(p) for p in params]]
         lists += [[s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
         if group["amsgrad"]:

@@ -54,7 +54,9 @@ class SGD(Optimizer):
         grads = [grad_of(p) for p in params]
         sign = -1.0 if group["maximize"] else 1.0
         if momentum == 0:
-            h = scalars([group["lr"], group["weight_decay"], 0.0, 0.0, 0.0, sign], params[0])
+            h = scalars(
+                [group["lr"], group["weight_decay"], 0.0, 0.0, 0.0, sign], params[0], self._uploads
+            )
             foreach(sgd_rule, params, grads, scalars=h, into=(0,))
             return
         # a parameter's first step starts its buffer at the gradient (PyTorch's rule)
@@ -71,7 +73,7 @@ class SGD(Optimizer):
             if not members:
                 continue
             values = [group["lr"], group["weight_decay"], momentum, keep, take, sign]
-            h = scalars(values, members[0][0])
+            h = scalars(values, members[0][0], self._uploads)
             ps = [p for p, _ in members]
             buffers = [self.state[p]["momentum_buffer"] for p in ps]
             foreach(rule, ps, [g for _, g in members], buffers, scalars=h, into=(0, 2))
