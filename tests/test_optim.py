@@ -336,9 +336,9 @@ def test_multi_tensor_kernels_compile(rule, dtypes, hyper, into, aligned, wide, 
 @pytest.mark.gpu
 def test_per_step_values_reach_the_gpu_in_order(rng):
     """The learning rate changes every step; the per-step values go through a ring of
-    page-locked buffers copied asynchronously, reused every ScalarUploads.SLOTS steps: after
+    page-locked buffers copied asynchronously, reused every 8 copies: after
     more steps than that, the GPU's parameters equal the reference backend's."""
-    from flame.optim._common import ScalarUploads
+    from flame.runtime.staging import StagedUploads
 
     init = rng.standard_normal(4096).astype(np.float32)
     grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(3)]
@@ -347,7 +347,7 @@ def test_per_step_values_reach_the_gpu_in_order(rng):
         with fl.backend(backend):
             param = fl.tensor(init).realize().requires_grad_()
             opt = fl.optim.AdamW([param], lr=0.01, weight_decay=0.05)
-            for step in range(3 * ScalarUploads.SLOTS + 1):
+            for step in range(3 * StagedUploads().slots + 1):
                 opt.param_groups[0]["lr"] = 0.01 * (1 + step % 5)
                 param.grad = fl.tensor(grads[step % 3])
                 opt.step()

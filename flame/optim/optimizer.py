@@ -12,7 +12,7 @@ import copy
 
 import numpy as np
 
-from flame.optim._common import ScalarUploads
+from flame.runtime.staging import StagedUploads
 from flame.tensor import Tensor
 
 
@@ -50,7 +50,7 @@ class Optimizer(abc.ABC):
         self.defaults = dict(defaults)
         self.param_groups: list[dict] = []
         self.state = ParamState()
-        self._uploads = ScalarUploads()  # the per-step values' way to the GPU
+        self._uploads = StagedUploads()  # the per-step values' way to the GPU
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")

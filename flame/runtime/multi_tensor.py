@@ -18,6 +18,7 @@ import numpy as np
 from flame.codegen.multi_tensor import CHUNK, lower_multi_tensor
 from flame.codegen.render import render, spec_key
 from flame.ir.graph import Group
+from flame.runtime.staging import StagedUploads
 
 
 class MultiTensorKernel:
@@ -31,6 +32,7 @@ class MultiTensorKernel:
         self._chunks: dict[tuple, object] = {}
         self._columns: dict[int, tuple] = {}  # list position -> its last storages' addresses
         self._lock = threading.Lock()
+        self._uploads = StagedUploads()  # the address tables' way to the GPU
 
     def variant(self, aligned: bool, wide: bool):
         key = (aligned, wide)
@@ -86,7 +88,6 @@ class MultiTensorKernel:
         """``storages[list][tensor]``: CUDA storages (contiguous; written in place for the
         lists named in ``outputs_into``, one per group output); ``shared``: id(node) -> array
         for the operands every tensor reads."""
-        import cupy
 
         count = len(storages[0])
         if count == 0:
@@ -108,7 +109,7 @@ class MultiTensorKernel:
                 source = self.position[id(low.lowered.reads[operand])]
             table[:, column] = addresses[source]
         table[:, -1] = lengths
-        device_table = cupy.asarray(table)
+        device_table = self._uploads.put(table)  # no wait for the GPU (staging.py)
         chunks = self.chunks(lengths)
         arguments = [device_table, chunks]
         for arg in low.spec.params:
