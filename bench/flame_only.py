@@ -62,7 +62,7 @@ def compiled_host(session, workload) -> dict:
         for _ in range(10):
             compiled(first, second)
         flame.module.synchronize()
-        for _ in range(5):
+        for _ in range(session.options.host_repeats):
             start = time.perf_counter()
             for _ in range(calls):
                 compiled(first, second)

@@ -136,7 +136,8 @@ def header_lines(report: dict) -> list[str]:
         lines.append(f"- copy bandwidth: not measured ({copy.get('error')})")
     lines.append(
         f"- timing: median of {options['repeats']} after {options['warmup']} warm-up calls "
-        f"(minimum in bench.json); host overhead over {options['host_calls']} calls; "
+        f"(minimum in bench.json); host overhead: median of {options.get('host_repeats', 5)} "
+        f"runs of {options['host_calls']} calls; "
         "host-bound rows first, torch.compile last in each row (its background threads slow "
         "every host measurement after it); compile caches empty at the start of the run, "
         "Python bytecode written first as an installed package has it; "

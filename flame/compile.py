@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import contiguous_strides
-from flame.replay import GraphCache, capturable, fast_replay, flatten, storage_of, unflatten, wrap
+from flame.replay import GraphCache, capturable, fast_replay, flatten, unflatten, wrap
 from flame.runtime import events
-from flame.runtime.storage import Storage
+from flame.runtime.storage import Storage, storage_of
 from flame.tensor import Tensor, realize
 
 _tracing: contextvars.ContextVar[object] = contextvars.ContextVar("flame_tracing", default=None)

@@ -13,7 +13,7 @@ import weakref
 
 from flame.ir.node import Node
 from flame.runtime import events
-from flame.runtime.storage import Storage, storage_of
+from flame.runtime.storage import Storage
 from flame.tensor import Tensor
 
 
@@ -26,8 +26,12 @@ def bind_arrays(sources: tuple, args) -> list:
     """The device arrays of a plan's inputs: ``sources`` holds, per input, (True, argument
     position) or (False, Storage) for memory the function closed over."""
     arrays = []
-    for is_arg, value in sources:
-        storage = storage_of(args[value].node) if is_arg else value
+    for is_arg, value in sources:  # every replay's path: storage_of inlined
+        if is_arg:
+            node = args[value].node
+            storage = node.buffer if node.buffer is not None else node.attr("storage")
+        else:
+            storage = value
         array = storage.array
         arrays.append(array if array is not None else storage.device_array())
     return arrays
@@ -237,10 +241,11 @@ def _one_kernel_replay(plan, launch, sources, output, executor):
     padding = [None] * (plan.slot_count - len(sources))
     recycled = [None, None]  # [array of the last call, its stream's pointer]
     refcount = sys.getrefcount
+    listening = events.active
 
     def replay(args):
         arrays = bind_arrays(sources, args)
-        if events.active():  # the dump is listening: the executor reports the run
+        if listening():  # the dump is listening: the executor reports the run
             slots = executor.run(plan, arrays)
             return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
         slots = arrays + padding
