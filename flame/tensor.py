@@ -14,7 +14,7 @@ import numpy as np
 
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
-from flame.ir.infer import make_const
+from flame.ir.infer import NAN, canonical_float, make_const
 from flame.ir.node import Node, format_site, frame_site, user_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
@@ -238,7 +238,9 @@ def _fast_binary(op_name: str, reflected: bool = False):
                             or other.backend != x.backend):  # fmt: skip
                         other_node = None
                 elif (kind is float or kind is int) and dtype.category == 2:
-                    other_node = Node("const", (), (("value", float(other)),), dtype, (), None)
+                    value = float(other)  # one NaN object (infer.canonical_float), inline
+                    value = value if value == value else NAN
+                    other_node = Node("const", (), (("value", value),), dtype, (), None)
                 else:
                     other_node = None
                 if other_node is not None:
@@ -290,7 +292,8 @@ def fast_apply(op_name: str, first, second=None, arity: int = 2):
                         and other.backend == tensor.backend):  # fmt: skip
                     other_node = candidate
             elif (kind is float and dtype.is_float) or (kind is int and dtype.is_float):
-                other_node = Node("const", (), (("value", float(other)),), dtype, (), None)
+                value = canonical_float(float(other))
+                other_node = Node("const", (), (("value", value),), dtype, (), None)
             if other_node is not None:
                 site = _caller_site()
                 inputs = (node, other_node) if tensor is first else (other_node, node)

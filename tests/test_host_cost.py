@@ -280,3 +280,16 @@ def test_recorded_walk_agrees_with_linearize_on_random_graphs(xy):
         matched += got is not None
         rejected += got is None
     assert matched > 50 and rejected > 50  # both sides of the check were exercised
+
+
+def test_nan_constants_made_anew_give_one_plan_key(xy):
+    # NaN != NaN and hashes by identity: each step's float("nan") must not be a new plan
+    x, _ = xy
+    keys = []
+    for _ in range(2):
+        masked = fl.where(x > 1.0, x * float("nan"), x + float("nan") * 0 + 1.0)
+        keys.append(linearize([masked.node])[2])
+    assert keys[0] == keys[1]
+    assert hash(keys[0]) == hash(keys[1])
+    value = fl.where(x > 1.0, x * float("nan"), x).numpy()
+    assert np.isnan(value[2:]).all() and not np.isnan(value[:2]).any()

@@ -62,3 +62,13 @@ def test_repeated_graph_plans_once(cuda_backend, rng):
         executor.realize([value.node])
         np.testing.assert_allclose(value.numpy(), x_np / (1 + np.exp(-2 * x_np)), rtol=1e-5)
     assert (executor.plan_misses, executor.plan_hits) == (1, 4)
+
+
+def test_nan_constants_do_not_replan(cuda_backend, rng):
+    executor = Executor()
+    x = _tensor(rng.standard_normal(256).astype(np.float32))
+    for _ in range(3):
+        value = fl.where(x > 0, x, x * float("nan"))
+        executor.realize([value.node])
+        assert np.isnan(value.numpy()).sum() == int((x.numpy() <= 0).sum())
+    assert executor.plan_misses == 1

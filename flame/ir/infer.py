@@ -59,6 +59,16 @@ def make_node(op_name: str, inputs: tuple, attrs: dict | None = None, site=None)
     return Node(op_name, tuple(inputs), tuple(sorted(attrs.items())), dtype, shape, site)
 
 
+NAN = float("nan")
+
+
+def canonical_float(value: float) -> float:
+    """``value``, with every NaN the same object: attributes compare and hash by value, and
+    NaN is unequal to itself (its hash is its identity), so a constant NaN made anew in each
+    step of a loop would make each step's graph a new plan."""
+    return NAN if value != value else value
+
+
 def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = False):
     """A scalar constant. A Python number used as an operand keeps its value and is used in
     compute precision (float32 for float16/bfloat16 ops, as PyTorch does); a tensor filled
@@ -67,7 +77,7 @@ def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = Fal
     from flame.ir.node import Node
 
     if dtype.is_float:
-        value = float(dtype.numpy.type(value)) if round_to_dtype else float(value)
+        value = canonical_float(float(dtype.numpy.type(value)) if round_to_dtype else float(value))
     elif dtype.is_bool:
         value = bool(value)
     else:
