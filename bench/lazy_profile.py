@@ -39,7 +39,7 @@ def per_call_us(function, calls: int = 2000, runs: int = 7, synchronize=None) ->
 def main() -> None:
     import flame as fl
     from flame.runtime.device import gpu_available
-    from flame.runtime.executor import linearize
+    from flame.runtime.walks import linearize
 
     on_gpu = gpu_available()
     backend = "cuda" if on_gpu else "reference"

@@ -368,7 +368,7 @@ class CompiledFunction:
         backend = leaves[0].backend
         if not computed:
             return _Program((), (), None, **common)
-        from flame.runtime.executor import linearize
+        from flame.runtime.walks import linearize
 
         _, inputs, key = linearize(computed)
         sources = tuple(

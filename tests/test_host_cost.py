@@ -12,7 +12,7 @@ import pytest
 
 import flame as fl
 from flame.ir.node import format_site, user_site
-from flame.runtime.executor import linearize, match_walk, record_walk
+from flame.runtime.walks import linearize, match_walk, record_walk
 
 
 def _line() -> int:

@@ -262,7 +262,8 @@ def test_gpu_strip_sums_are_deterministic():
 def test_gpu_plans_of_the_two_modes_are_kept_apart():
     """The executor's plan cache keys on the mode: one kernel by default, two when
     deterministic, for the same graph; the atomic sums stay close to the ordered ones."""
-    from flame.runtime.executor import default_executor, linearize
+    from flame.runtime.executor import default_executor
+    from flame.runtime.walks import linearize
 
     results, launches = [], []
     for deterministic in (False, True, False):

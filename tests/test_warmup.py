@@ -37,9 +37,7 @@ def test_warm_products_run_and_matmul_stays_right():
         "np.testing.assert_allclose(out, a @ b, rtol=1e-6)\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert _run(code).strip() == "ok"
 
 
 @pytest.mark.gpu
@@ -55,7 +53,12 @@ def test_first_realize_starts_one_thread():
         "names = [t.name for t in threading.enumerate()]\n"
         "print(before, warmup._started.is_set(), names.count('flame-cublas-warmup') <= 1)\n"
     )
+    # not while the first plan loads its kernels: only once its launches are queued
+    assert _run(code).split() == ["False", "True", "True"]
+
+
+def _run(code: str) -> str:
+    """``code`` in a new Python process (cuBLAS and the thread are per process): its stdout."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    # not while the first plan loads its kernels: only once its launches are queued
-    assert done.stdout.split() == ["False", "True", "True"]
+    return done.stdout

@@ -20,7 +20,7 @@ from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import Graph, is_input
-from flame.ir.node import Node, Token, toposort
+from flame.ir.node import Node, toposort
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
@@ -28,6 +28,7 @@ from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import device_info
 from flame.runtime.storage import PlannedInput, Storage
+from flame.runtime.walks import linearize, match_walk, record_walk
 
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 PLAN_CACHE_SIZE = 512
@@ -151,190 +152,6 @@ class Plan:
     inputs: tuple[Node, ...] = ()  # the graph's input stand-ins, in slot order
 
 
-def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
-    """The graph behind ``outputs`` in one pass: nodes inputs-first, its inputs, and its
-    structure as a flat tuple (computed nodes by op/attrs/type/input positions, inputs by
-    type and memory layout only) that keys the plan cache.
-
-    This runs on every realize of lazy mode, so it is the interpreter's fast path: a
-    recursive depth-first walk (Python calls are cheaper than an explicit stack of markers);
-    a graph deeper than the recursion limit is walked again with an explicit stack, in the
-    same order, giving the same key."""
-    position: dict[int, int] = {}
-    order: list[Node] = []
-    inputs: list[Node] = []
-    parts: list[tuple] = []
-    get = position.get
-
-    def visit(node: Node) -> int:
-        if node.buffer is not None or node.op == "buffer":
-            storage = node.buffer or node.attr("storage")
-            part = (node.dtype, node.shape, storage.layout())
-            inputs.append(node)
-        else:
-            # an op node's dtype and shape follow from its op, attrs and inputs; a
-            # generated leaf (constant, random numbers) needs them spelled out
-            children = node.inputs
-            count = len(children)
-            if count == 2:
-                first, second = children
-                a = get(id(first))
-                if a is None:
-                    a = visit(first)
-                b = get(id(second))
-                if b is None:
-                    b = visit(second)
-                part = (node.op, node.attrs, a, b)
-            elif count == 1:
-                first = children[0]
-                a = get(id(first))
-                if a is None:
-                    a = visit(first)
-                part = (node.op, node.attrs, a)
-            elif count == 0:
-                part = (node.op, node.attrs, node.dtype, node.shape)
-            else:
-                indices = []
-                for child in children:
-                    index = get(id(child))
-                    indices.append(visit(child) if index is None else index)
-                part = (node.op, node.attrs, *indices)
-        index = len(order)
-        position[id(node)] = index
-        order.append(node)
-        parts.append(part)
-        return index
-
-    try:
-        roots = [visit(root) if get(id(root)) is None else position[id(root)] for root in outputs]
-    except RecursionError:
-        position.clear()
-        order.clear()
-        inputs.clear()
-        parts.clear()
-        stack = list(reversed(outputs))
-        done = object()  # marks "children visited" for the node below it on the stack
-        while stack:
-            node = stack.pop()
-            if node is done:
-                node = stack.pop()
-                if id(node) in position:
-                    continue
-                if node.buffer is not None or node.op == "buffer":
-                    storage = node.buffer or node.attr("storage")
-                    parts.append((node.dtype, node.shape, storage.layout()))
-                    inputs.append(node)
-                elif node.inputs:
-                    children = [position[id(child)] for child in node.inputs]
-                    parts.append((node.op, node.attrs, *children))
-                else:
-                    parts.append((node.op, node.attrs, node.dtype, node.shape))
-                position[id(node)] = len(order)
-                order.append(node)
-                continue
-            if id(node) in position:
-                continue
-            stack.append(node)
-            stack.append(done)
-            if node.buffer is None and node.op != "buffer":
-                for child in reversed(node.inputs):
-                    if id(child) not in position:
-                        stack.append(child)
-        roots = [position[id(root)] for root in outputs]
-    parts.append(tuple(roots))
-    return order, inputs, tuple(parts)
-
-
-def record_walk(order: list[Node], key: tuple) -> tuple | None:
-    """A graph's walk, kept so that the next graph built the same way is checked against it
-    instead of walked again (``match_walk``): per node, root first, (None, (dtype, shape,
-    layout)) for an input, (False, (op, attrs, dtype, shape)) for an op without inputs, and
-    (op, attrs, *input positions) otherwise -- ``linearize``'s key, positions counted from
-    the root. None for a graph with a ``Token`` (a recomputation, unique to its graph: the
-    next graph's would never match)."""
-    count = len(order)
-    entries = []
-    for node, part in zip(order, key):
-        if node.buffer is not None or node.op == "buffer":
-            entries.append((None, part))
-            continue
-        for _, value in node.attrs:
-            if type(value) is Token:
-                return None
-        if not node.inputs:
-            entries.append((False, part))
-        else:
-            entries.append((node.op, node.attrs, *(count - 1 - index for index in part[2:])))
-    entries.reverse()
-    return tuple(entries)
-
-
-def match_walk(entries: tuple, root: Node) -> list[Node] | None:
-    """The graph behind ``root`` checked against a recorded walk: its inputs in
-    ``linearize``'s order when ``linearize`` would give the recorded key (the same ops,
-    attributes and sharing; inputs of the same type and layout), else None.
-
-    Lazy mode's fast path: a loop that builds the same expression every step pays one
-    pass of identity and equality checks per node, not the walk with its position table.
-    The nodes are visited root first; each op node places its inputs at their recorded
-    positions, and an input already placed there must be the same object."""
-    nodes = [None] * len(entries)
-    nodes[0] = root
-    inputs = []
-    for node, entry in zip(nodes, entries):  # ``nodes`` is filled ahead of the loop
-        op = entry[0]
-        if op is None:
-            storage = node.buffer
-            if storage is None:
-                if node.op != "buffer":
-                    return None
-                storage = node.attr("storage")
-            if (node.dtype, node.shape, storage.layout()) != entry[1]:
-                return None
-            inputs.append(node)
-            continue
-        if node.buffer is not None:
-            return None
-        if op is False:
-            if node.inputs or (node.op, node.attrs, node.dtype, node.shape) != entry[1]:
-                return None
-            continue
-        if node.op != op or node.attrs != entry[1]:
-            return None
-        children = node.inputs
-        count = len(children)
-        if len(entry) != count + 2:
-            return None
-        if count == 2:
-            first, second = children
-            placed = nodes[entry[2]]
-            if placed is None:
-                nodes[entry[2]] = first
-            elif placed is not first:
-                return None
-            placed = nodes[entry[3]]
-            if placed is None:
-                nodes[entry[3]] = second
-            elif placed is not second:
-                return None
-        elif count == 1:
-            index, child = entry[2], children[0]
-            placed = nodes[index]
-            if placed is None:
-                nodes[index] = child
-            elif placed is not child:
-                return None
-        else:
-            for child, index in zip(children, entry[2:]):
-                placed = nodes[index]
-                if placed is None:
-                    nodes[index] = child
-                elif placed is not child:
-                    return None
-    inputs.reverse()
-    return inputs
-
-
 class Executor:
     """Plans and runs graphs on the current CUDA device. Thread-safe."""
 
@@ -368,12 +185,7 @@ class Executor:
                 return
         _, inputs, key = linearize(pending)
         plan = self.plan_for(pending, inputs, key)
-        arrays = []
-        for node in inputs:
-            storage = node.buffer if node.buffer is not None else node.attr("storage")
-            array = storage.array
-            arrays.append(array if array is not None else storage.device_array())
-        slots = self.run(plan, arrays)
+        slots = self.run(plan, _arrays_of(inputs))
         for node, slot in zip(pending, plan.output_slots):
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
 
@@ -399,11 +211,7 @@ class Executor:
                     if site not in self._walks and len(self._walks) >= WALK_SITES:
                         self._walks.pop(next(iter(self._walks)))
                     self._walks[site] = ((entries, plan), *walks[: WALKS_PER_SITE - 1])
-        arrays = []
-        for leaf in inputs:
-            storage = leaf.buffer if leaf.buffer is not None else leaf.attr("storage")
-            array = storage.array
-            arrays.append(array if array is not None else storage.device_array())
+        arrays = _arrays_of(inputs)
         arrays += [None] * (plan.slot_count - len(arrays))
         slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
         node.buffer = Storage("cuda", node.dtype, array=slots[plan.output_slots[0]])
@@ -599,9 +407,14 @@ def _launch_kernel(*arguments) -> None:
     launchKernel(*arguments)
 
 
-def _array_of(node: Node):
-    storage = node.buffer if node.buffer is not None else node.attr("storage")
-    return storage.device_array()
+def _arrays_of(inputs: list[Node]) -> list:
+    """The device arrays of a graph's inputs (host data copied over on first use)."""
+    arrays = []
+    for node in inputs:
+        storage = node.buffer if node.buffer is not None else node.attr("storage")
+        array = storage.array
+        arrays.append(array if array is not None else storage.device_array())
+    return arrays
 
 
 def _layout_of(node: Node):

@@ -135,7 +135,7 @@ class DumpRecorder:
                     kernel.times_ms.append(float(elapsed))
 
     def _on_reference(self, outputs) -> None:
-        from flame.runtime.executor import linearize
+        from flame.runtime.walks import linearize
 
         computed = [node for node in outputs if node.buffer is None and node.op != "buffer"]
         pending = list({id(node): node for node in computed}.values())
