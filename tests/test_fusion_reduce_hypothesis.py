@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import flame as fl
@@ -121,6 +121,10 @@ def test_passes_preserve_values_and_kernels_compile(program):
 @pytest.mark.gpu
 @settings(max_examples=60, **SETTINGS)
 @given(programs())
+# a reversed slice of a size-1-axis sum was written by the sum's kernel in row order
+@example(
+    program=((1, 2, 2), [("reduce", "sum", 0, True), ("view", "slice"), ("view", "flatten")], 0)
+)
 def test_gpu_fused_result_matches_float64_reference(program):
     shape, steps, seed = program
     outputs = build(shape, steps, seed)

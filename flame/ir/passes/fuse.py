@@ -90,6 +90,24 @@ def is_row_alias(node: Node, key) -> bool:
     )  # fmt: skip
 
 
+def _written_in_row_order(node: Node, key) -> bool:
+    """A view that a reduction kernel would write as one of its outputs: the kernel writes
+    each output in the order of its rows, so the view must keep its computed base in that
+    order (or be a per-row value broadcast over the rows); a reversed, sliced or transposed
+    view of a computed value is written by a kernel that reads the value from memory."""
+    resolved = resolve(node, lambda base: View.contiguous(base.shape), lambda m: True)
+    if resolved is None:
+        return False
+    base, view = resolved
+    if is_input(base) or get_op(base.op).kind == "leaf":
+        return True  # a view of an input: the kernel loads through it
+    in_order = view.offset == 0 and view.strides in (
+        View.contiguous(view.shape).strides,
+        reshape_strides(view.shape),
+    )
+    return (in_order and prod(view.shape) == prod(base.shape)) or _row_view_fits(view, key)
+
+
 def library_view(node: Node, computed: bool = True):
     """``(base, view)`` when ``node`` is a chain of views over one value a library call can
     read in place: ``a @ b.T`` hands cuBLAS the transposed strides instead of a copy. The
@@ -307,6 +325,8 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
 
 def _bucket(grouping: _Grouping, node: Node) -> tuple:
     key = grouping.reduction_key(node)
+    if key is not None and node.op in MOVEMENT_OPS and not _written_in_row_order(node, key):
+        return ("elementwise", node.shape)  # reads the value it views from memory
     bucket = ("reduce", key) if key is not None else ("elementwise", node.shape)
     if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
         if not is_row_alias(node, key):
