@@ -201,16 +201,20 @@ def _fast_unary(op_name: str):
     frame is the user's line unless it is FLAME's own code."""
     op = OPS[op_name]
     accepted = _fast_dtypes(op)
+    # names the builder reads every call, bound here (closure cells read faster than globals)
+    getframe, site_of, grad_on, node_type, tensor_type = (
+        sys._getframe, frame_site, grad_enabled.get, Node, Tensor
+    )
 
     def function(x):
-        if type(x) is Tensor:
+        if type(x) is tensor_type:
             node = x.node
             dtype = node.dtype
             if dtype in accepted:
-                site = frame_site(sys._getframe(1))
-                node = Node(op_name, (node,), (), dtype, node.shape, site)
-                if grad_enabled.get():
-                    return Tensor(node, x.backend)
+                site = site_of(getframe(1))
+                node = node_type(op_name, (node,), (), dtype, node.shape, site)
+                if grad_on():
+                    return tensor_type(node, x.backend)
                 return result(node, x.backend)
         return apply(op_name, x)
 
@@ -225,14 +229,17 @@ def _fast_binary(op_name: str, reflected: bool = False):
     op = OPS[op_name]
     accepted = _fast_dtypes(op)
     out_bool = op.out_bool
+    getframe, site_of, grad_on, node_type, tensor_type = (
+        sys._getframe, frame_site, grad_enabled.get, Node, Tensor
+    )  # bound here, as in _fast_unary
 
     def function(x, other):
-        if type(x) is Tensor:
+        if type(x) is tensor_type:
             node = x.node
             dtype = node.dtype
             if dtype in accepted:
                 kind = type(other)
-                if kind is Tensor:
+                if kind is tensor_type:
                     other_node = other.node
                     if (other_node.dtype is not dtype or other_node.shape != node.shape
                             or other.backend != x.backend):  # fmt: skip
@@ -240,12 +247,12 @@ def _fast_binary(op_name: str, reflected: bool = False):
                 elif (kind is float or kind is int) and dtype.category == 2:
                     value = float(other)  # one NaN object (infer.canonical_float), inline
                     value = value if value == value else NAN
-                    other_node = Node("const", (), (("value", value),), dtype, (), None)
+                    other_node = node_type("const", (), (("value", value),), dtype, (), None)
                 else:
                     other_node = None
                 if other_node is not None:
-                    site = frame_site(sys._getframe(1))
-                    node = Node(
+                    site = site_of(getframe(1))
+                    node = node_type(
                         op_name,
                         (other_node, node) if reflected else (node, other_node),
                         (),
@@ -253,8 +260,8 @@ def _fast_binary(op_name: str, reflected: bool = False):
                         node.shape,
                         site,
                     )
-                    if grad_enabled.get():
-                        return Tensor(node, x.backend)
+                    if grad_on():
+                        return tensor_type(node, x.backend)
                     return result(node, x.backend)
         if reflected:
             return apply(op_name, other, x)

@@ -57,12 +57,13 @@ def _code_entry(code) -> tuple:
     return entry
 
 
-def frame_site(frame) -> Site | None:
+def frame_site(frame, _get=_sites.get, _id=id) -> Site | None:  # names bound: a hot path
     """The site of ``frame`` if it is the user's (outside FLAME), else of the first user frame
     below it: ``user_site`` from a known frame, for the graph-building fast paths."""
-    entry = _sites.get(id(frame.f_code))
-    if entry is None or entry[0] is not frame.f_code:
-        entry = _code_entry(frame.f_code)
+    code = frame.f_code
+    entry = _get(_id(code))
+    if entry is None or entry[0] is not code:
+        entry = _code_entry(code)
     while entry[1]:  # FLAME's own code: walk out to the user's
         frame = frame.f_back
         if frame is None:

@@ -50,11 +50,22 @@ class Launch:
 
     def __post_init__(self):
         # Prepared for the replay loop: (slot, shape, dtype) per output, and the kernel's
-        # parameter block (one ctypes holder per parameter; scalars filled in once, buffer
-        # addresses at each launch), launched through the driver API directly.
+        # parameter blocks, launched through the driver API directly. A block is one ctypes
+        # holder per parameter (scalars filled in once, buffer addresses at each launch);
+        # a launch takes a block from ``_blocks`` and puts it back after the driver has
+        # copied the parameters, so threads launching the same kernel at once each fill a
+        # block of their own (list.pop and append are atomic) without a lock.
         allocations = tuple(
             (slot, shape, dtype) for (slot, _), (shape, dtype) in zip(self.writes, self.shapes)
         )  # fmt: skip
+        setter = object.__setattr__
+        setter(self, "_allocations", allocations)
+        setter(self, "_buffer_slots", tuple(v for kind, v in self.args if kind != "scalar"))
+        setter(self, "_blocks", [self._new_block()])
+
+    def _new_block(self) -> tuple:
+        """(holders of the buffer addresses, the parameter array's address, everything the
+        array points to, kept alive with it)."""
         holders, buffers = [], []
         for kind, value in self.args:
             if kind == "scalar":
@@ -63,21 +74,16 @@ class Launch:
                 )
             else:
                 holder = ctypes.c_void_p(0)
-                buffers.append((holder, value))
+                buffers.append(holder)
             holders.append(holder)
         block = (ctypes.c_void_p * max(1, len(holders)))(*map(ctypes.addressof, holders))
-        setter = object.__setattr__
-        setter(self, "_allocations", allocations)
-        setter(self, "_holders", (holders, block))  # kept alive with the launch
-        setter(self, "_buffers", tuple(buffers))
-        setter(self, "_params", ctypes.addressof(block))
-        setter(self, "_lock", threading.Lock())
+        return tuple(buffers), ctypes.addressof(block), (holders, block)
 
-    def execute(self, slots: list) -> None:
+    def execute(self, slots: list, stream: int | None = None) -> None:
         ndarray = _ndarray()
         for slot, shape, dtype in self._allocations:
             slots[slot] = ndarray(shape, dtype)
-        self.launch_into(slots)
+        self.launch_into(slots, stream)
 
     def allocate(self, slots: list) -> None:
         """Fill this launch's output slots with new buffers (before a CUDA-graph capture)."""
@@ -90,14 +96,23 @@ class Launch:
         already in ``slots``."""
         if stream is None:
             stream = _current_stream().ptr
-        for slot, size in self.zeroed:  # a memset node of a captured CUDA graph, too
-            _cupy().cuda.runtime.memsetAsync(slots[slot].data.ptr, 0, size, stream)
-        with self._lock:  # the parameter block is shared by every call of this launch
-            for holder, slot in self._buffers:
-                holder.value = slots[slot].data.ptr
+        if self.zeroed:  # a memset node of a captured CUDA graph, too
+            for slot, size in self.zeroed:
+                _cupy().cuda.runtime.memsetAsync(slots[slot].data.ptr, 0, size, stream)
+        blocks = self._blocks
+        try:
+            block = blocks.pop()
+        except IndexError:  # another thread holds every block: make one more
+            block = self._new_block()
+        holders, params, _ = block
+        for holder, slot in zip(holders, self._buffer_slots):
+            holder.value = slots[slot].data.ptr
+        try:
             _launch_kernel(
-                self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, self._params, 0
+                self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, params, 0
             )
+        finally:  # the driver has copied the parameters: the block is free again
+            blocks.append(block)
 
 
 # Library routines known to run inside a CUDA-graph capture: device work only, no host
