@@ -19,7 +19,9 @@ import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from flame import grad_templates
 from flame.compile import note_grad_assignment
+from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node, Token, format_site, toposort, user_site
 from flame.ir.ops import get_op
 from flame.ir.ops.registry import def_vjp
@@ -169,9 +171,35 @@ def _walk(roots) -> list[Node]:
     )  # fmt: skip
 
 
-def cotangents(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:
-    """Reverse-mode sweep: ``{id(node): cotangent}`` for every node on a path from
-    ``targets`` to ``outputs``."""
+def cotangents(outputs, seeds, targets, backend: str, templates: bool = True) -> dict[int, Tensor]:
+    """Reverse-mode sweep: ``{id(node): cotangent}`` for the ``targets`` (and, when the
+    backward rules run, every node on a path from them to ``outputs``).
+
+    A forward graph seen before at the same line is not swept again: its backward is made
+    from the recorded template (flame/grad_templates.py), the graph the rules built then."""
+    if not templates:
+        return _sweep(outputs, seeds, targets, backend)
+    roots = [out.node for out in outputs] + [seed.node for seed in seeds]
+    key = (user_site(), are_deterministic_algorithms_enabled(), _grad_enabled.get(), backend)
+    grads = grad_templates.lookup(key, roots, targets)
+    if grads is not None:
+        return {
+            id(target): Tensor(grad, backend)
+            for target, grad in zip(targets, grads)
+            if grad is not None
+        }  # fmt: skip
+    total = _sweep(outputs, seeds, targets, backend)
+    if grad_templates.worth_recording(key):
+        found = [total.get(id(target)) for target in targets]
+        template = grad_templates.record(
+            roots, targets, [None if g is None else g.node for g in found]
+        )
+        grad_templates.remember(key, template)
+    return total
+
+
+def _sweep(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:
+    """The backward rules, run node by node from the outputs back."""
     order = _walk([out.node for out in outputs])
     relevant = _relevant(order, {id(node) for node in targets})
     total: dict[int, Tensor] = {}
@@ -423,7 +451,8 @@ def _checkpoint_vjp(F, g, out, inner, recompute=None):
     ]
     again = recompute.fn(*fresh)
     barriers = [t for t in fresh if isinstance(t, Tensor)]
-    total = cotangents([again], [g], [t.node for t in barriers], g.backend)
+    # the region is rebuilt with new barriers every time: nothing to record
+    total = cotangents([again], [g], [t.node for t in barriers], g.backend, templates=False)
     return (None, *[total.get(id(t.node)) for t in barriers])
 
 

@@ -202,9 +202,8 @@ def _fast_unary(op_name: str):
     op = OPS[op_name]
     accepted = _fast_dtypes(op)
     # names the builder reads every call, bound here (closure cells read faster than globals)
-    getframe, site_of, grad_on, node_type, tensor_type = (
-        sys._getframe, frame_site, grad_enabled.get, Node, Tensor
-    )
+    getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
+    node_type, tensor_type = Node, Tensor
 
     def function(x):
         if type(x) is tensor_type:
@@ -229,9 +228,8 @@ def _fast_binary(op_name: str, reflected: bool = False):
     op = OPS[op_name]
     accepted = _fast_dtypes(op)
     out_bool = op.out_bool
-    getframe, site_of, grad_on, node_type, tensor_type = (
-        sys._getframe, frame_site, grad_enabled.get, Node, Tensor
-    )  # bound here, as in _fast_unary
+    getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
+    node_type, tensor_type = Node, Tensor  # bound here, as in _fast_unary
 
     def function(x, other):
         if type(x) is tensor_type:
