@@ -39,9 +39,13 @@ def test_threads_replaying_one_kernel_get_their_own_results(cuda_backend):
 
     def work(t: int) -> None:
         start.wait()
-        x, y = inputs[t]
-        results = [compiled(x, y) for _ in range(CALLS)]
-        fl.synchronize()
+        try:  # a thread's first CUDA call here is a launch: its context must be made current
+            x, y = inputs[t]
+            results = [compiled(x, y) for _ in range(CALLS)]
+            fl.synchronize()
+        except Exception as error:  # noqa: BLE001  reported by the main thread
+            wrong.append(f"thread {t}: {type(error).__name__}: {error}")
+            return
         expected = 3.0 * t + 1000.0 * t
         for call, value in enumerate(results):
             array = value.numpy()
@@ -66,8 +70,12 @@ def test_threads_realizing_one_lazy_expression_get_their_own_results(cuda_backen
     def work(t: int) -> None:
         start.wait()
         x = inputs[t]
-        results = [(fl.exp(x * 0.0) * t + x).realize() for _ in range(CALLS // 4)]
-        fl.synchronize()
+        try:
+            results = [(fl.exp(x * 0.0) * t + x).realize() for _ in range(CALLS // 4)]
+            fl.synchronize()
+        except Exception as error:  # noqa: BLE001  reported by the main thread
+            wrong.append(f"thread {t}: {type(error).__name__}: {error}")
+            return
         for call, value in enumerate(results):
             if not np.all(value.numpy() == 2.0 * t):
                 wrong.append(f"thread {t} call {call}")

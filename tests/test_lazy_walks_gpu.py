@@ -72,3 +72,54 @@ def test_nan_constants_do_not_replan(cuda_backend, rng):
         executor.realize([value.node])
         assert np.isnan(value.numpy()).sum() == int((x.numpy() <= 0).sum())
     assert executor.plan_misses == 1
+
+
+def test_several_results_at_one_line_run_the_recorded_plan(cuda_backend, rng):
+    """``realize(out, grad)``-style schedules: several roots, some reached from others."""
+    executor = Executor()
+    a_np = rng.standard_normal(128).astype(np.float32)
+    b_np = rng.standard_normal(128).astype(np.float32)
+    a, b = _tensor(a_np), _tensor(b_np)
+    cases = [(a, b, a_np, b_np)] * 3 + [(b, a, b_np, a_np), (a, a, a_np, a_np), (a, b, a_np, b_np)]
+    for left, right, left_np, right_np in cases:
+        inner = fl.exp(left) * right  # inner is a root and an input of outer
+        outer, other = fl.tanh(inner) + left, right * 2.0
+        executor.realize([outer.node, inner.node, other.node])
+        inner_np = np.exp(left_np) * right_np
+        np.testing.assert_allclose(inner.numpy(), inner_np, rtol=1e-5)
+        np.testing.assert_allclose(outer.numpy(), np.tanh(inner_np) + left_np, rtol=1e-5)
+        np.testing.assert_allclose(other.numpy(), right_np * 2.0, rtol=1e-6)
+    assert executor.plan_hits >= 3  # the repeats of (a, b) and (b, a) matched the walk
+    assert executor.plan_misses <= 3
+
+
+def test_several_results_in_another_order_or_structure(cuda_backend, rng):
+    executor = Executor()
+    x_np = rng.standard_normal(64).astype(np.float32)
+    x = _tensor(x_np)
+    for step in range(6):
+        first = fl.exp(x) + 1.0
+        second = first * 2.0 if step % 2 else fl.sin(x)  # reached from first, or not
+        roots = [first, second] if step < 4 else [second, first]
+        executor.realize([t.node for t in roots])
+        np.testing.assert_allclose(first.numpy(), np.exp(x_np) + 1.0, rtol=1e-5)
+        expected = (np.exp(x_np) + 1.0) * 2.0 if step % 2 else np.sin(x_np)
+        np.testing.assert_allclose(second.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lazy_gradients_repeat_through_templates_and_walks(cuda_backend, rng):
+    """A lazy training step at one line: backward from its template, realize from its walk."""
+    w_np = rng.standard_normal((16, 8)).astype(np.float32)
+    from flame.runtime.executor import default_executor
+
+    grad = fl.value_and_grad(lambda w, x: fl.sum(fl.tanh(x * w) * x), argnums=0)
+    hits = default_executor().plan_hits
+    for _ in range(4):
+        x_np = rng.standard_normal((16, 8)).astype(np.float32)
+        w, x = _tensor(w_np), _tensor(x_np)
+        value, g = grad(w, x)
+        fl.realize(value, g)
+        t = np.tanh(x_np * w_np)
+        np.testing.assert_allclose(value.numpy(), (t * x_np).sum(), rtol=1e-4)
+        np.testing.assert_allclose(g.numpy(), (1 - t * t) * x_np * x_np, rtol=1e-4, atol=1e-6)
+    assert default_executor().plan_hits >= hits + 3  # steps 2-4 ran the first step's plan

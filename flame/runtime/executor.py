@@ -30,6 +30,7 @@ from flame.runtime.device import device_info
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import linearize, match_walk, record_walk
 
+_CUDA_ERROR_INVALID_CONTEXT = 201  # CUresult: no context current in the calling thread
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 PLAN_CACHE_SIZE = 512
 WALK_SITES = 256  # lines of user code whose last graphs' walks are kept (lazy mode)
@@ -107,10 +108,17 @@ class Launch:
         holders, params, _ = block
         for holder, slot in zip(holders, self._buffer_slots):
             holder.value = slots[slot].data.ptr
+        arguments = (self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, params, 0)
         try:
-            _launch_kernel(
-                self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, params, 0
-            )
+            _launch_kernel(*arguments)
+        except Exception as error:
+            if getattr(error, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+                raise
+            # A thread whose first CUDA call is this launch (a replay that recycles its
+            # result's memory allocates nothing first): the driver API needs the device's
+            # context current in the thread, which the runtime makes on its first call.
+            _cupy().cuda.runtime.free(0)
+            _launch_kernel(*arguments)
         finally:  # the driver has copied the parameters: the block is free again
             blocks.append(block)
 
@@ -198,6 +206,9 @@ class Executor:
             pending = list(unique.values())
             if not pending:
                 return
+            if not events.active():
+                self._realize_many(pending)
+                return
         _, inputs, key = linearize(pending)
         plan = self.plan_for(pending, inputs, key)
         slots = self.run(plan, _arrays_of(inputs))
@@ -211,25 +222,54 @@ class Executor:
         site = (node.op, node.site, node.shape, node.dtype, are_deterministic_algorithms_enabled())
         walks = self._walks.get(site, ())
         plan = None
-        for entries, recorded in walks:
+        for entries, recorded, _ in walks:
             inputs = match_walk(entries, node)
             if inputs is not None:
                 plan = recorded
                 self.plan_hits += 1
                 break
         if plan is None:
-            order, inputs, key = linearize([node])
-            plan = self.plan_for([node], inputs, key)
-            entries = record_walk(order, key)
-            if entries is not None:
-                with self._lock:
-                    if site not in self._walks and len(self._walks) >= WALK_SITES:
-                        self._walks.pop(next(iter(self._walks)))
-                    self._walks[site] = ((entries, plan), *walks[: WALKS_PER_SITE - 1])
+            plan, inputs = self._plan_and_record(site, walks, [node])
         arrays = _arrays_of(inputs)
         arrays += [None] * (plan.slot_count - len(arrays))
         slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
         node.buffer = Storage("cuda", node.dtype, array=slots[plan.output_slots[0]])
+
+    def _realize_many(self, pending: list[Node]) -> None:
+        """Several results in one schedule (``fl.realize(out, *grads)``): as ``_realize_one``,
+        with the walk recorded from all the results' nodes."""
+        site = (
+            tuple([(node.op, node.site, node.shape, node.dtype) for node in pending]),
+            are_deterministic_algorithms_enabled(),
+        )
+        walks = self._walks.get(site, ())
+        plan = None
+        for entries, recorded, positions in walks:
+            inputs = match_walk(entries, pending, positions)
+            if inputs is not None:
+                plan = recorded
+                self.plan_hits += 1
+                break
+        if plan is None:
+            plan, inputs = self._plan_and_record(site, walks, pending)
+        arrays = _arrays_of(inputs)
+        arrays += [None] * (plan.slot_count - len(arrays))
+        slots = self._run_steps(plan, arrays)
+        for node, slot in zip(pending, plan.output_slots):
+            node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+
+    def _plan_and_record(self, site: tuple, walks: tuple, pending: list[Node]):
+        """Walk, plan, and keep the walk for the next graph built at ``site``."""
+        order, inputs, key = linearize(pending)
+        plan = self.plan_for(pending, inputs, key)
+        entries = record_walk(order, key)
+        if entries is not None:
+            positions = tuple(len(order) - 1 - index for index in key[-1])
+            with self._lock:
+                if site not in self._walks and len(self._walks) >= WALK_SITES:
+                    self._walks.pop(next(iter(self._walks)))
+                self._walks[site] = ((entries, plan, positions), *walks[: WALKS_PER_SITE - 1])
+        return plan, inputs
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""

@@ -127,7 +127,7 @@ def record_walk(order: list[Node], key: tuple) -> tuple | None:
     return tuple(entries)
 
 
-def match_walk(entries: tuple, root: Node) -> list[Node] | None:
+def match_walk(entries: tuple, root, positions: tuple | None = None) -> list[Node] | None:
     """The graph behind ``root`` checked against a recorded walk: its inputs in
     ``linearize``'s order when ``linearize`` would give the recorded key (the same ops,
     attributes and sharing; inputs of the same type and layout), else None.
@@ -135,9 +135,19 @@ def match_walk(entries: tuple, root: Node) -> list[Node] | None:
     Lazy mode's fast path: a loop that builds the same expression every step pays one
     pass of identity and equality checks per node, not the walk with its position table.
     The nodes are visited root first; each op node places its inputs at their recorded
-    positions, and an input already placed there must be the same object."""
+    positions, and an input already placed there must be the same object. Several roots
+    (``root`` a list): ``positions`` says where the walk recorded each (a root reached
+    from another root, too, must be the node placed there)."""
     nodes = [None] * len(entries)
-    nodes[0] = root
+    if positions is None:
+        nodes[0] = root
+    else:
+        if len(root) != len(positions):
+            return None
+        for node, index in zip(root, positions):
+            if nodes[index] is not None:
+                return None  # two roots recorded at one position: never from linearize
+            nodes[index] = node
     inputs = []
     for node, entry in zip(nodes, entries):  # ``nodes`` is filled ahead of the loop
         op = entry[0]
