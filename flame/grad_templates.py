@@ -36,7 +36,7 @@ _templates: dict[tuple, tuple] = {}  # key -> ((template, ...) newest first, rec
 
 
 class _NoTemplate(Exception):
-    """This graph cannot be recorded (or did not match)."""
+    """This graph cannot be recorded."""
 
 
 def _forward_walk(roots: list[Node]) -> tuple[list[Node], list[tuple]]:
@@ -78,9 +78,9 @@ def _match(entries: list[tuple], roots: list[Node]) -> list[Node] | None:
     count = len(entries)
     nodes = [None] * count
     nodes[: len(roots)] = roots
-    for node, entry in zip(nodes, entries):  # ``nodes`` is filled ahead of the loop
-        if node is None:
-            return None
+    # ``nodes`` is filled ahead of the loop: each position was recorded as an input of an
+    # earlier one, which places it
+    for node, entry in zip(nodes, entries):
         op, attrs, dtype, shape, children = entry
         if node.op != op or node.dtype is not dtype or node.shape != shape:
             return None

@@ -18,6 +18,14 @@ CALLS = 200
 SIZE = 4096
 
 
+def _run_threads(work) -> None:
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def _affine(x, y):
     return x * 3.0 + y
 
@@ -53,11 +61,7 @@ def test_threads_replaying_one_kernel_get_their_own_results(cuda_backend):
                 wrong.append(f"thread {t} call {call}: {np.unique(array)[:4]} != {expected}")
                 return
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _run_threads(work)
     assert not wrong, wrong[:4]
     assert compiled.cache_info().traces == 1  # every thread replayed the one program
 
@@ -81,9 +85,5 @@ def test_threads_realizing_one_lazy_expression_get_their_own_results(cuda_backen
                 wrong.append(f"thread {t} call {call}")
                 return
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _run_threads(work)
     assert not wrong, wrong[:4]

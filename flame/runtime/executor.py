@@ -220,28 +220,18 @@ class Executor:
         against that one's recorded walk (``match_walk``) and runs its plan; otherwise it is
         walked, planned, and its walk recorded."""
         site = (node.op, node.site, node.shape, node.dtype, are_deterministic_algorithms_enabled())
-        walks = self._walks.get(site, ())
-        plan = None
-        for entries, recorded, _ in walks:
-            inputs = match_walk(entries, node)
-            if inputs is not None:
-                plan = recorded
-                self.plan_hits += 1
-                break
-        if plan is None:
-            plan, inputs = self._plan_and_record(site, walks, [node])
-        arrays = _arrays_of(inputs)
-        arrays += [None] * (plan.slot_count - len(arrays))
-        slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
-        node.buffer = Storage("cuda", node.dtype, array=slots[plan.output_slots[0]])
+        self._run_recorded(site, [node])
 
     def _realize_many(self, pending: list[Node]) -> None:
-        """Several results in one schedule (``fl.realize(out, *grads)``): as ``_realize_one``,
+        """Several results in one schedule (``fl.realize(out, *grads)``), as ``_realize_one``
         with the walk recorded from all the results' nodes."""
         site = (
             tuple([(node.op, node.site, node.shape, node.dtype) for node in pending]),
             are_deterministic_algorithms_enabled(),
         )
+        self._run_recorded(site, pending)
+
+    def _run_recorded(self, site: tuple, pending: list[Node]) -> None:
         walks = self._walks.get(site, ())
         plan = None
         for entries, recorded, positions in walks:
@@ -254,7 +244,7 @@ class Executor:
             plan, inputs = self._plan_and_record(site, walks, pending)
         arrays = _arrays_of(inputs)
         arrays += [None] * (plan.slot_count - len(arrays))
-        slots = self._run_steps(plan, arrays)
+        slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
         for node, slot in zip(pending, plan.output_slots):
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
 
