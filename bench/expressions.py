@@ -98,6 +98,15 @@ def tiny20(ops, x, y):
     return ops.sigmoid(value)
 
 
+def tiny20_compiled(ops, x, y):
+    """tiny20, for FLAME through ``flame.compile`` (``compiled_by_flame``); the peers run it as
+    they run tiny20 (torch.compile and cupy.fuse compile it, PyTorch eager has no such form)."""
+    return tiny20(ops, x, y)
+
+
+tiny20_compiled.compiled_by_flame = True
+
+
 def mean_keepdim(value, dim):
     """FLAME and PyTorch spell it alike: ``value.mean(dim, keepdim=True)``."""
     return value.mean(dim, keepdim=True)

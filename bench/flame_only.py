@@ -45,34 +45,6 @@ def graph_build(session, workload) -> dict:
     return {"ops": GRAPH_OPS, "build": summarize(samples, unit="us_per_op")}
 
 
-def compiled_host(session, workload) -> dict:
-    """Host microseconds per call of the 20 tiny ops through ``flame.compile`` (traced once,
-    then replayed): wall time over many calls, then one synchronize, as for tiny20."""
-    from bench.harness import make_inputs
-    from bench.timing import summarize
-
-    flame = session.flame
-    calls = 100 if session.options.quick else session.options.host_calls
-    samples = []
-    with flame.scope(workload):
-        arrays = make_inputs(session.array_module, workload.input_specs(session.options.quick))
-        first, second = flame.adopt(arrays)
-        ops = expressions.flame_ops(flame.module)
-        compiled = flame.module.compile(expressions.bind(workload.expression, ops))
-        for _ in range(10):
-            compiled(first, second)
-        flame.module.synchronize()
-        for _ in range(session.options.host_repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                compiled(first, second)
-            flame.module.synchronize()
-            samples.append((time.perf_counter() - start) / calls * 1e6)
-    info = compiled.cache_info()
-    return {"build": summarize(samples, unit="us_per_op"), "traces": info.traces,
-            "unit_note": "us per call (reported in the us/op cell)"}  # fmt: skip
-
-
 def compile_time(session, workload) -> dict:
     """The first call in a new process: with empty caches (cold), then with those caches (warm).
 

@@ -149,17 +149,14 @@ def measure_device(session, workload, system, inputs, reference) -> dict:
     return {**entry, "steady": steady, "latency": latency, "device": device, "spin_ms": spin * 1e3}
 
 
-def measure_host(session, workload, system, inputs, reference) -> dict:
-    options = session.options
+def prepare_host(session, workload, system, inputs, reference) -> dict:
+    """A host row's system made ready to time: inputs adopted, first call checked, warmed up.
+    The call is kept under ``"call"`` for the interleaved rounds (``run_host_compared``)."""
     with system.scope(workload):
         adopted = system.adopt(inputs, reference.specs)
         call, _, entry = first_call_and_check(system, workload, adopted, reference)
-        timing.warm_up(system, call, options.warmup)
-        host = timing.host_us(system, call, options.host_calls, options.host_repeats)
-    return {**entry, "host": host}
-
-
-MEASURES = {DEVICE: measure_device, HOST: measure_host}
+        timing.warm_up(system, call, session.options.warmup)
+    return {**entry, "call": call}
 
 
 def peers_first(systems) -> list:
@@ -200,8 +197,41 @@ def skip_reason(session, workload, system) -> str | None:
     return row_skip_reason(session, workload) or workload.skip.get(system.key)
 
 
+def run_host_rounds(session, workload, results: dict) -> dict | None:
+    """Times the prepared systems of a host row in interleaved rounds: each round runs every
+    system's ``host_calls`` calls once, in an order rotated each round, so that a change in the
+    shared host's speed (whole runs and stretches of one process move 1.5-2x on the H100 host;
+    notes/performance.md) falls on every system alike and the ratios compare like with like.
+    A pure-Python probe runs in the same rounds: its time says how fast the host was."""
+    options = session.options
+    timed = [
+        (key, entry.pop("call"), system)
+        for key, entry, system in results.values()
+        if entry.get("status") == "ok" and "call" in entry
+    ]
+    if not timed:
+        return None
+    samples = {key: [] for key, _, _ in timed}
+    probe = []
+    for round_index in range(options.host_repeats):
+        shift = round_index % len(timed)
+        for key, call, system in timed[shift:] + timed[:shift]:
+            with system.scope(workload):
+                samples[key].append(timing.host_round_us(system, call, options.host_calls))
+        probe.append(timing.python_probe_us())
+    for key, _, _ in timed:
+        entry = results[key][1]
+        entry["host"] = {
+            **timing.summarize(samples[key], unit="us"),
+            "calls_per_run": options.host_calls,
+            "interleaved": True,
+        }
+    return timing.summarize(probe, unit="us")
+
+
 def run_compared(session, workload) -> dict:
-    measure = MEASURES[workload.kind]
+    if workload.kind == HOST:
+        return run_host_compared(session, workload)
     xp = session.array_module
     specs = workload.input_specs(session.options.quick)
     inputs = make_inputs(xp, specs) if row_skip_reason(session, workload) is None else []
@@ -215,9 +245,39 @@ def run_compared(session, workload) -> dict:
             results[system.key] = unavailable_entry(system)
         else:
             progress(f"{workload.name}: {system.label}")
-            results[system.key] = guarded(measure, session, workload, system, inputs, reference)
+            results[system.key] = guarded(
+                measure_device, session, workload, system, inputs, reference
+            )
             release_memory(session)
     del inputs, reference
+    release_memory(session)
+    return {system.key: results[system.key] for system in session.systems}
+
+
+def run_host_compared(session, workload) -> dict:
+    """A host row: every system prepared first (torch.compile last, as in device rows), then
+    all of them timed in the same interleaved rounds."""
+    xp = session.array_module
+    specs = workload.input_specs(session.options.quick)
+    inputs = make_inputs(xp, specs) if row_skip_reason(session, workload) is None else []
+    reference = Reference(workload, inputs, specs, xp)
+    prepared = {}
+    for system in peers_first(session.systems):
+        reason = skip_reason(session, workload, system)
+        if reason is not None:
+            entry = {"status": "skipped", "reason": reason}
+        elif not system.available:
+            entry = unavailable_entry(system)
+        else:
+            progress(f"{workload.name}: {system.label} (prepare)")
+            entry = guarded(prepare_host, session, workload, system, inputs, reference)
+        prepared[system.key] = (system.key, entry, system)
+    progress(f"{workload.name}: interleaved rounds")
+    probe = run_host_rounds(session, workload, prepared)
+    results = {key: entry for key, entry, _ in prepared.values()}
+    if probe is not None:
+        results["flame"]["python_probe"] = probe
+    del inputs, reference, prepared
     release_memory(session)
     return {system.key: results[system.key] for system in session.systems}
 

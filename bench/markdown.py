@@ -106,8 +106,7 @@ def flame_only_row(row: dict) -> list[str]:
     flame = row["results"]["flame"]
     cell = status_cell(flame)
     if cell is None and "build" in flame:
-        unit = "µs/call" if "unit_note" in flame else "µs/op"  # tiny20_compiled: per call
-        cell = f"{number(flame['build']['median_us_per_op'])} {unit}"
+        cell = f"{number(flame['build']['median_us_per_op'])} µs/op"
     elif cell is None:
         cold = flame["cold"]["process_start_to_first_result_ms"]
         warm = flame["warm"]["process_start_to_first_result_ms"]
@@ -137,9 +136,10 @@ def header_lines(report: dict) -> list[str]:
     lines.append(
         f"- timing: median of {options['repeats']} after {options['warmup']} warm-up calls "
         f"(minimum in bench.json); host overhead: median of {options.get('host_repeats', 5)} "
-        f"runs of {options['host_calls']} calls; "
-        "host-bound rows first, torch.compile last in each row (its background threads slow "
-        "every host measurement after it); compile caches empty at the start of the run, "
+        f"interleaved rounds, each running every system's {options['host_calls']} calls once "
+        "(order rotated each round), so that the shared host's changes of speed fall on all "
+        "alike; host-bound rows first, torch.compile prepared last in each row; compile "
+        "caches empty at the start of the run, "
         "Python bytecode written first as an installed package has it; "
         "started "
         f"{report['started']}, {report['seconds']:.0f} s"
@@ -341,6 +341,21 @@ def render_rows(rows: list, device_only: bool) -> list[str]:
     return table(COMPARISON_HEADER, [comparison_row(row, device_only) for row in rows])
 
 
+def probe_lines(rows: list) -> list[str]:
+    """The host's speed during each host row: a fixed pure-Python workload timed in the same
+    rounds (a slower probe means a slower host, for every system in that row)."""
+    parts = [
+        f"{row['name']} {number(probe['median_us'])} µs (best {number(probe['min_us'])})"
+        for row in rows
+        if row["kind"] == HOST
+        for probe in [row["results"].get("flame", {}).get("python_probe")]
+        if probe
+    ]
+    if not parts:
+        return []
+    return ["- host speed, a pure-Python probe in the host rows' rounds: " + "; ".join(parts), ""]
+
+
 def render(report: dict) -> str:
     rows = report["workloads"]
     lines = header_lines(report)
@@ -349,7 +364,7 @@ def render(report: dict) -> str:
     if any(row["kind"] == DEVICE for row in rows):
         lines += ["## Device time only (host work hidden behind a spin kernel)", ""]
         lines += render_rows(rows, device_only=True) + [""]
-    lines += problem_lines(report) + floor_notes(rows)
+    lines += problem_lines(report) + floor_notes(rows) + probe_lines(rows)
     lines += [
         "## Summary: per call, CUDA events back to back (FLAME builds and realizes every call);"
         " tiny20: host time per call",

@@ -119,6 +119,8 @@ class FlameSystem(System):
 
     def compile(self, expression):
         ops = expressions.flame_ops(self.module)
+        if getattr(expression, "compiled_by_flame", False):
+            return self.module.compile(expressions.bind(expression, ops))
 
         def call(*inputs):
             return self.realize(expression(ops, *inputs))

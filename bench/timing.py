@@ -86,16 +86,35 @@ def device_ms(system, setup, timed, repeats: int, spin: float) -> dict:
     return summarize([clock.elapsed_ms(start, end) for start, end in pairs])
 
 
-def host_us(system, call, calls: int, repeats: int) -> dict:
-    samples = []
-    for _ in range(repeats):
-        system.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        system.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return {**summarize(samples, unit="us"), "calls_per_run": calls}
+def host_round_us(system, call, calls: int) -> float:
+    """Microseconds per call: wall time over ``calls`` calls, then one synchronize."""
+    system.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    system.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+PROBE_CALLS = 2000
+
+
+def _probe_work(values: tuple) -> tuple:
+    # Small objects, attribute reads and calls: the kind of work a Python graph builder does.
+    nodes = []
+    for value in values:
+        nodes.append((value, (value + 1, {"v": value}), [value]))
+    return tuple(node[1][1]["v"] for node in nodes)
+
+
+def python_probe_us(calls: int = PROBE_CALLS) -> float:
+    """A fixed pure-Python workload's microseconds per call: the host's speed at that moment,
+    so that host rows from different runs can be told apart by the host they ran on."""
+    values = tuple(range(20))
+    start = time.perf_counter()
+    for _ in range(calls):
+        _probe_work(values)
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def copy_bandwidth(on_gpu: bool, quick: bool, repeats: int) -> dict:

@@ -429,3 +429,56 @@ def test_host_bound_rows_run_before_torch_compile_threads_exist():
     ]
     keys = [system.key for system in harness.peers_first(systems)]
     assert keys[0] == "torch_eager" and keys[-1] == "torch_compile"
+
+
+class LoggingSystem(System):
+    """A system whose every call appends its key to a shared log (a NumPy result, right)."""
+
+    def __init__(self, key: str, log: list, broken: bool = False):
+        super().__init__()
+        self.key = self.label = key
+        self.log = log
+        self.broken = broken
+        self.clock = SimpleNamespace(synchronize=lambda: None)
+
+    def compile(self, expression):
+        if self.broken:
+            raise RuntimeError("planted failure")
+        ops = expressions.array_ops(numpy)
+
+        def call(*inputs):
+            self.log.append(self.key)
+            return expression(ops, *inputs)
+
+        return call
+
+
+def test_host_rows_time_every_system_in_the_same_rotated_rounds(tmp_path):
+    """Each round runs every working system's calls once, in an order rotated each round, so
+    that a change of the host's speed falls on every system alike; a broken system gets no
+    timing and the others still do."""
+    log = []
+    names = ("flame", "torch_eager", "cupy_fuse")
+    systems = [LoggingSystem(key, log) for key in names]
+    systems.append(LoggingSystem("torch_compile", log, broken=True))
+    options = harness.Options(
+        out=tmp_path, quick=True, backend="reference", warmup=1, host_calls=3, host_repeats=4
+    )
+    session = harness.Session(options, tmp_path, None, "no GPU", systems)
+    results = harness.run_host_compared(session, find_workload("tiny20"))
+    assert results["torch_compile"]["status"] == "error"
+    assert "host" not in results["torch_compile"]
+    for key in names:
+        assert results[key]["status"] == "ok"
+        assert results[key]["host"]["runs"] == 4 and results[key]["host"]["interleaved"]
+        assert "call" not in results[key]
+    assert results["flame"]["python_probe"]["runs"] == 4
+    # after each system's first call and warm-up call: 4 rounds of 3 bursts of 3 calls
+    timed = log[2 * len(names) :]
+    bursts = [timed[index] for index in range(0, len(timed), options.host_calls)]
+    assert len(timed) == 4 * len(names) * options.host_calls
+    rounds = [bursts[index : index + len(names)] for index in range(0, len(bursts), len(names))]
+    for round_order in rounds:
+        assert sorted(round_order) == sorted(names)  # every system once per round
+    assert len({tuple(order) for order in rounds}) == len(names)  # the order rotates
+    assert [order[0] for order in rounds[: len(names)]] == [rounds[0][i] for i in range(3)]
