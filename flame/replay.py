@@ -77,7 +77,8 @@ def capturable(plan, forced: bool) -> bool:
     a graph), while a result the caller still holds at the next replay -- the gradients a
     training loop keeps in ``.grad`` -- has to be copied out of the graph's memory first
     (+0.63 ms per MLP step)."""
-    from flame.runtime.executor import CAPTURABLE_LIBRARY_OPS, Launch
+    from flame.runtime.executor import CAPTURABLE_LIBRARY_OPS
+    from flame.runtime.launch import Launch
 
     if not plan.launches:
         return False
@@ -145,7 +146,7 @@ class GraphCache:
         allocator that keeps every block for the graph (replays write there again)."""
         import cupy
 
-        from flame.runtime.executor import Launch
+        from flame.runtime.launch import Launch
 
         plan = self.plan
         slots = list(arrays) + [None] * (plan.slot_count - len(arrays))
@@ -191,7 +192,8 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | No
     binding arguments, launching, and wrapping the results. ``sources``: per plan input,
     ("arg", position) or ("storage", Storage); ``flat``: per flat result, ("out", index),
     ("arg", position) or ("fixed", tensor)."""
-    from flame.runtime.executor import Launch, default_executor
+    from flame.runtime.executor import default_executor
+    from flame.runtime.launch import Launch
 
     executor = default_executor()
     sources = tuple((kind == "arg", value) for kind, value in sources)

@@ -118,14 +118,15 @@ class _Slot:
 def test_repro_folder_is_complete_and_compiles(reference_backend, rng, tmp_path, nvrtc):
     from flame.codegen.lower import lower_group
     from flame.runtime.compiler import nvrtc_compile
-    from flame.runtime.executor import _launch, _layout_of
+    from flame.runtime.executor import _layout_of
+    from flame.runtime.launch import Launch
 
     x = fl.from_numpy(rng.standard_normal((16, 64)).astype(np.float32))
     graph = processed(F.softmax(x, -1))
     (group,) = graph.groups
     lowered = lower_group(group, _layout_of)
     slot_of = {id(x.node): 0, id(group.outputs[0]): 1}
-    launch = _launch(lowered, None, slot_of)
+    launch = Launch.plan(lowered, None, slot_of)
     value = evaluate(list(group.outputs))[0]
     slots = [_Slot(x.numpy()), _Slot(value)]
     recorder = CheckRecorder(tmp_path / "repro")

@@ -388,7 +388,8 @@ def test_gpu_out_of_range_indices_read_zero_and_are_dropped(cuda_backend):
 
 @pytest.mark.gpu
 def test_gpu_one_hot_and_masked_fill(cuda_backend, rng):
-    from flame.runtime.executor import Launch, default_executor
+    from flame.runtime.executor import default_executor
+    from flame.runtime.launch import Launch
     from flame.runtime.walks import linearize
 
     labels = fl.from_numpy(positions(rng, (5, 7), 9, fl.int32))

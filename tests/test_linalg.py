@@ -391,7 +391,8 @@ def test_gpu_highest_keeps_tf32_off_even_if_the_handle_allows_it(cuda_backend, r
 
 @pytest.mark.gpu
 def test_gpu_bias_gelu_is_one_library_call_and_one_kernel(cuda_backend, rng):
-    from flame.runtime.executor import Launch, LibraryCall, default_executor
+    from flame.runtime.executor import LibraryCall, default_executor
+    from flame.runtime.launch import Launch
     from flame.runtime.walks import linearize
 
     left = fl.from_numpy(sample(rng, (96, 80), fl.float32))

@@ -24,7 +24,8 @@ from flame.ir.ops import get_op
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.split import ROW_COLUMN_VALUES, _strips
 from flame.runtime.compiler import nvrtc_compile
-from flame.runtime.executor import _launch, _layout_of, _plan_memory
+from flame.runtime.executor import _layout_of, _plan_memory
+from flame.runtime.launch import Launch
 from flame.runtime.reference import evaluate
 
 F = fl.nn.functional
@@ -141,7 +142,9 @@ def _planned_peak(graph) -> int:
     for group in graph.groups:
         for output in group.outputs:
             slot_of[id(output)] = len(slot_of)
-    launches = [_launch(lower_group(group, _layout_of), None, slot_of) for group in graph.groups]
+    launches = [
+        Launch.plan(lower_group(group, _layout_of), None, slot_of) for group in graph.groups
+    ]
     outputs = tuple(slot_of[id(node)] for node in graph.outputs)
     return _plan_memory(launches, len(inputs), outputs, graph, slot_of)[1]
 

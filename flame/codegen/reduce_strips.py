@@ -26,8 +26,8 @@ def rows_strips_totals(group, reduces):
     keys = {(node.inputs[0].shape, node.attr("axes")) for node in reduces}
     if len(keys) == 1:
         return reduces, [], []
-    from flame.ir.passes.fuse import row_key
     from flame.ir.passes.row_columns import column_reductions
+    from flame.ir.passes.row_keys import row_key
 
     mixed = column_reductions(group, row_key)
     if mixed is None:

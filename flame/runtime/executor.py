@@ -1,4 +1,4 @@
-"""The CUDA executor: graph -> plan (passes, codegen, compile) -> launches.
+"""The CUDA executor: graph -> plan (passes, codegen, compile) -> launches (launch.py).
 
 A *plan* is keyed by the graph's structure with its inputs abstracted to their type and
 layout, so a loop that builds the same expression each step plans once and then only hashes
@@ -8,13 +8,10 @@ already compiled, because sizes are kernel arguments.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import threading
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
@@ -26,101 +23,13 @@ from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
 from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
-from flame.runtime.device import device_info
+from flame.runtime.launch import Launch
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import linearize, match_walk, record_walk
 
-_CUDA_ERROR_INVALID_CONTEXT = 201  # CUresult: no context current in the calling thread
-BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 PLAN_CACHE_SIZE = 512
 WALK_SITES = 256  # lines of user code whose last graphs' walks are kept (lazy mode)
 WALKS_PER_SITE = 4
-
-
-@dataclass(frozen=True)
-class Launch:
-    spec: object  # the KernelSpec (render(spec) gives the source, for the dump)
-    function: object
-    grid: int
-    block: int
-    # per parameter: ("out", slot) | ("in", slot) | ("scalar", numpy value)
-    args: tuple
-    writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
-    shapes: tuple  # per written slot: (shape, dtype)
-    zeroed: tuple[tuple[int, int], ...] = ()  # (slot, bytes) set to 0 first (atomic sums)
-
-    def __post_init__(self):
-        # Prepared for the replay loop: (slot, shape, dtype) per output, and the kernel's
-        # parameter blocks, launched through the driver API directly. A block is one ctypes
-        # holder per parameter (scalars filled in once, buffer addresses at each launch);
-        # a launch takes a block from ``_blocks`` and puts it back after the driver has
-        # copied the parameters, so threads launching the same kernel at once each fill a
-        # block of their own (list.pop and append are atomic) without a lock.
-        allocations = tuple(
-            (slot, shape, dtype) for (slot, _), (shape, dtype) in zip(self.writes, self.shapes)
-        )  # fmt: skip
-        setter = object.__setattr__
-        setter(self, "_allocations", allocations)
-        setter(self, "_buffer_slots", tuple(v for kind, v in self.args if kind != "scalar"))
-        setter(self, "_blocks", [self._new_block()])
-
-    def _new_block(self) -> tuple:
-        """(holders of the buffer addresses, the parameter array's address, everything the
-        array points to, kept alive with it)."""
-        holders, buffers = [], []
-        for kind, value in self.args:
-            if kind == "scalar":
-                holder = (ctypes.c_int32 if value.dtype.itemsize == 4 else ctypes.c_int64)(
-                    int(value)
-                )
-            else:
-                holder = ctypes.c_void_p(0)
-                buffers.append(holder)
-            holders.append(holder)
-        block = (ctypes.c_void_p * max(1, len(holders)))(*map(ctypes.addressof, holders))
-        return tuple(buffers), ctypes.addressof(block), (holders, block)
-
-    def execute(self, slots: list, stream: int | None = None) -> None:
-        ndarray = _ndarray()
-        for slot, shape, dtype in self._allocations:
-            slots[slot] = ndarray(shape, dtype)
-        self.launch_into(slots, stream)
-
-    def allocate(self, slots: list) -> None:
-        """Fill this launch's output slots with new buffers (before a CUDA-graph capture)."""
-        ndarray = _ndarray()
-        for slot, shape, dtype in self._allocations:
-            slots[slot] = ndarray(shape, dtype)
-
-    def launch_into(self, slots: list, stream: int | None = None) -> None:
-        """Launch on ``stream`` (a pointer; the current stream when None) with the buffers
-        already in ``slots``."""
-        if stream is None:
-            stream = _current_stream().ptr
-        if self.zeroed:  # a memset node of a captured CUDA graph, too
-            for slot, size in self.zeroed:
-                _cupy().cuda.runtime.memsetAsync(slots[slot].data.ptr, 0, size, stream)
-        blocks = self._blocks
-        try:
-            block = blocks.pop()
-        except IndexError:  # another thread holds every block: make one more
-            block = self._new_block()
-        holders, params, _ = block
-        for holder, slot in zip(holders, self._buffer_slots):
-            holder.value = slots[slot].data.ptr
-        arguments = (self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, params, 0)
-        try:
-            _launch_kernel(*arguments)
-        except Exception as error:
-            if getattr(error, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
-                raise
-            # A thread whose first CUDA call is this launch (a replay that recycles its
-            # result's memory allocates nothing first): the driver API needs the device's
-            # context current in the thread, which the runtime makes on its first call.
-            _cupy().cuda.runtime.free(0)
-            _launch_kernel(*arguments)
-        finally:  # the driver has copied the parameters: the block is free again
-            blocks.append(block)
 
 
 # Library routines known to run inside a CUDA-graph capture: device work only, no host
@@ -343,7 +252,7 @@ class Executor:
         kernels = iter(lowered_groups)
         launches = tuple(
             LibraryCall.plan(group.nodes[0], slot_of) if group.kind == "library"
-            else _launch(next(kernels), next(functions), slot_of)
+            else Launch.plan(next(kernels), next(functions), slot_of)
             for group in graph.groups
         )  # fmt: skip
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
@@ -424,34 +333,6 @@ def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
     return tuple(tuple(sorted(slots)) for slots in releases), peak
 
 
-@functools.lru_cache(maxsize=1)
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def _ndarray():
-    global _ndarray
-    ndarray = _cupy().ndarray
-    _ndarray = lambda: ndarray  # noqa: E731  bound on first use, as below
-    return ndarray
-
-
-def _current_stream():
-    global _current_stream
-    _current_stream = _cupy().cuda.get_current_stream  # bound on first use, as below
-    return _current_stream()
-
-
-def _launch_kernel(*arguments) -> None:
-    from cupy_backends.cuda.api.driver import launchKernel
-
-    global _launch_kernel
-    _launch_kernel = launchKernel  # bound on first use: importing FLAME never loads CUDA
-    launchKernel(*arguments)
-
-
 def _arrays_of(inputs: list[Node]) -> list:
     """The device arrays of a graph's inputs (host data copied over on first use)."""
     arrays = []
@@ -467,36 +348,6 @@ def _layout_of(node: Node):
         storage = node.buffer if node.buffer is not None else node.attr("storage")
         return storage.strides(), storage.aligned()
     return contiguous_strides(node.shape), True  # written by an earlier kernel of this plan
-
-
-def _launch(lowered, function, slot_of) -> Launch:
-    spec = lowered.spec
-    arguments = []
-    for arg in spec.params:
-        if arg.kind == "out":
-            arguments.append(("out", slot_of[id(lowered.outputs[arg.operand])]))
-        elif arg.kind == "in":
-            arguments.append(("in", slot_of[id(lowered.reads[arg.operand])]))
-        else:
-            scalar = np.int32 if spec.index_type == "int" else np.int64
-            arguments.append(("scalar", scalar(arg.value)))
-    if lowered.grid_items:  # the lowering chose the grid (reductions: rows or row groups)
-        blocks = max(1, min(lowered.grid_items, 2**31 - 1))
-    else:
-        trip_count = lowered.numel // spec.vec if spec.vec > 1 else lowered.numel
-        cap = device_info().multiprocessors * BLOCKS_PER_SM
-        blocks = max(1, min(-(-trip_count // spec.block), cap))
-    writes = tuple((slot_of[id(node)], position) for position, node in enumerate(lowered.outputs))
-    shapes = tuple((node.shape, _cupy_dtype(node.dtype)) for node in lowered.outputs)
-    zeroed = tuple(
-        (slot_of[id(node)], node.numel * node.dtype.itemsize)
-        for node in (lowered.outputs[position] for position in lowered.zeroed)
-    )  # fmt: skip
-    return Launch(spec, function, blocks, spec.block, tuple(arguments), writes, shapes, zeroed)
-
-
-def _cupy_dtype(dtype):
-    return np.uint16 if dtype.name == "bfloat16" else dtype.numpy
 
 
 _executor: Executor | None = None

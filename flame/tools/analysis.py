@@ -201,9 +201,9 @@ def library_bytes(node) -> int:
 
 
 def launch_shape(lowered) -> tuple[int, int, str]:
-    """(grid, block, note) as the executor computes them (flame/runtime/executor.py)."""
+    """(grid, block, note) as the executor computes them (flame/runtime/launch.py)."""
     from flame.runtime.device import gpu_available
-    from flame.runtime.executor import BLOCKS_PER_SM
+    from flame.runtime.launch import BLOCKS_PER_SM
 
     spec = lowered.spec
     if lowered.grid_items:

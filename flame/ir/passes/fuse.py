@@ -32,80 +32,15 @@ from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.cycles import split_in_two
-from flame.ir.shapes import prod
-from flame.ir.views import MOVEMENT_OPS, View, expand_view, resolve, storage_view
-
-
-def row_key(node: Node) -> tuple:
-    """(input shape, axes) of a reduction."""
-    return node.inputs[0].shape, node.attr("axes")
-
-
-def kept_shape(key) -> tuple[int, ...]:
-    shape, axes = key
-    return tuple(1 if axis in axes else size for axis, size in enumerate(shape))
-
-
-def scalar_shapes(key) -> tuple[tuple[int, ...], ...]:
-    """Shapes of per-row values: the reduced shape with its axes kept as 1, or dropped
-    (``keepdim=False``); both lay the rows out in the same order."""
-    shape, axes = key
-    return kept_shape(key), tuple(size for axis, size in enumerate(shape) if axis not in axes)
-
-
-def _row_view_fits(view: View, key) -> bool:
-    """``view`` (of a per-row value, as a consumer sees it) is that value broadcast back over
-    its rows, or the value itself in row order."""
-    if view.shape in scalar_shapes(key):
-        return view == View(view.shape, View.contiguous(view.shape).strides, 0) or (
-            view.offset == 0 and view.strides == reshape_strides(view.shape)
-        )
-    if view.shape != key[0]:
-        return False
-    return view == expand_view(View.contiguous(kept_shape(key)), key[0])
-
-
-def reshape_strides(shape) -> tuple[int, ...]:
-    """Contiguous strides with 0 for size-1 axes (how reshapes spell them)."""
-    strides = View.contiguous(shape).strides
-    return tuple(0 if size == 1 else stride for size, stride in zip(shape, strides))
-
-
-def is_row_alias(node: Node, key) -> bool:
-    """``node`` is a reshape-like view of a reduction with row key ``key`` that keeps its
-    memory order (``x.sum(-1)`` without keepdim): the reduction kernel writes it directly."""
-    resolved = resolve(node, lambda base: View.contiguous(base.shape), lambda m: True)
-    if resolved is None:
-        return False
-    base, view = resolved
-    per_row = prod(kept_shape(key))
-    in_row_order = view.offset == 0 and view.strides in (
-        View.contiguous(view.shape).strides,
-        reshape_strides(view.shape),
-    )
-    return (
-        not is_input(base) and base.shape in scalar_shapes(key)
-        and get_op(base.op).kind in ("reduce", "elementwise")
-        and prod(view.shape) == per_row and in_row_order
-    )  # fmt: skip
-
-
-def _written_in_row_order(node: Node, key) -> bool:
-    """A view that a reduction kernel would write as one of its outputs: the kernel writes
-    each output in the order of its rows, so the view must keep its computed base in that
-    order (or be a per-row value broadcast over the rows); a reversed, sliced or transposed
-    view of a computed value is written by a kernel that reads the value from memory."""
-    resolved = resolve(node, lambda base: View.contiguous(base.shape), lambda m: True)
-    if resolved is None:
-        return False
-    base, view = resolved
-    if is_input(base) or get_op(base.op).kind == "leaf":
-        return True  # a view of an input: the kernel loads through it
-    in_order = view.offset == 0 and view.strides in (
-        View.contiguous(view.shape).strides,
-        reshape_strides(view.shape),
-    )
-    return (in_order and prod(view.shape) == prod(base.shape)) or _row_view_fits(view, key)
+from flame.ir.passes.row_columns import attach_columns
+from flame.ir.passes.row_keys import (
+    is_row_alias,
+    row_key,
+    row_view_fits,
+    scalar_shapes,
+    written_in_row_order,
+)
+from flame.ir.views import MOVEMENT_OPS, View, resolve, storage_view
 
 
 def library_view(node: Node, computed: bool = True):
@@ -245,7 +180,7 @@ class _Grouping:
         key = row_key(base)
         if key[0] != root.shape:
             return None
-        return key, _row_view_fits(view, key)
+        return key, row_view_fits(view, key)
 
     def check_internal_views(self, group_nodes: list[Node], key) -> None:
         """A movement chain over a reduction inside its own kernel must be the plain
@@ -263,7 +198,7 @@ class _Grouping:
                     continue
                 # an internal value seen through a view: only a per-row value broadcast
                 # back over its row (or kept as is) is free; anything else is written first
-                fits = base.shape in scalar_shapes(key) and _row_view_fits(view, key)
+                fits = base.shape in scalar_shapes(key) and row_view_fits(view, key)
                 if not fits:
                     self.extra[id(base)] = (base, "value read through a reshaping view")
 
@@ -325,7 +260,7 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
 
 def _bucket(grouping: _Grouping, node: Node) -> tuple:
     key = grouping.reduction_key(node)
-    if key is not None and node.op in MOVEMENT_OPS and not _written_in_row_order(node, key):
+    if key is not None and node.op in MOVEMENT_OPS and not written_in_row_order(node, key):
         return ("elementwise", node.shape)  # reads the value it views from memory
     bucket = ("reduce", key) if key is not None else ("elementwise", node.shape)
     if key is not None and node.shape != key[0] and node.shape not in scalar_shapes(key):
@@ -476,8 +411,6 @@ def fuse(graph: Graph, saved=()) -> Graph:
             break
         except _Cycle as cycle:  # split the kernels on the cycle into one kernel per value
             groups = _split_cycle(graph, groups, cycle.members, materialized, reasons)
-    from flame.ir.passes.row_columns import attach_columns  # imports this module
-
     # row kernels take over the column reductions of the rows they read (row_columns.py)
     ordered = _order_groups(attach_columns(graph, ordered, materialized), materialized)
     return Graph(graph.outputs, graph.name, tuple(ordered))

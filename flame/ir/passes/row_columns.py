@@ -40,14 +40,13 @@ from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.passes.row_keys import row_key, row_view_fits, scalar_shapes
 from flame.ir.passes.split import ROW_COLUMN_VALUES
 from flame.ir.shapes import prod
 from flame.ir.views import MOVEMENT_OPS, View, reshape_view, resolve, storage_view
 
 
 def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
-    from flame.ir.passes.fuse import row_key
-
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     graph_outputs = {id(node) for node in graph.outputs}
     groups = list(groups)
@@ -190,8 +189,6 @@ def _base_view(node: Node) -> View:
 
 
 def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
-    from flame.ir.passes.fuse import _row_view_fits, scalar_shapes
-
     mixed = column_reductions(row, key_of)
     if mixed is not None:
         key, _, existing = mixed
@@ -234,7 +231,7 @@ def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
             if flat is None:
                 return None
             if id(base) in row_ids:  # becomes a value of the kernel itself
-                per_row = base.shape in scalar_shapes(key) and _row_view_fits(flat, key)
+                per_row = base.shape in scalar_shapes(key) and row_view_fits(flat, key)
                 whole = base.shape == shape and flat == View.contiguous(shape)
                 if not (per_row or whole):
                     return None
@@ -266,8 +263,6 @@ def _read_bases(group: Group, member_ids) -> set[int]:
 
 def _prune(group: Group, groups, graph_outputs, key_of) -> Group:
     """Drop the per-row values the kernel wrote only for kernels it has now absorbed."""
-    from flame.ir.passes.fuse import scalar_shapes
-
     key = column_reductions(group, key_of)[0]
     read_elsewhere = {
         id(child)
