@@ -32,6 +32,8 @@ def as_check_array(value, xp):
             return value.detach().cpu().numpy()
         if hasattr(value, "numpy"):
             return numpy.asarray(value.numpy())
+        if type(value).__module__.startswith("cupy"):
+            return value.get()  # CuPy refuses an implicit copy to the host
         return numpy.asarray(value)
     return xp.asarray(value)
 

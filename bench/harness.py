@@ -211,6 +211,10 @@ def run_host_rounds(session, workload, results: dict) -> dict | None:
     ]
     if not timed:
         return None
+    quiet = None
+    if session.uses_gpu and not options.quick:  # smoke runs share their CPUs with tests
+        quiet = timing.wait_for_quiet_host()
+        progress(f"{workload.name}: waited {quiet['waited_s']:.1f} s for a quiet host")
     samples = {key: [] for key, _, _ in timed}
     probe = []
     for round_index in range(options.host_repeats):
@@ -226,7 +230,7 @@ def run_host_rounds(session, workload, results: dict) -> dict | None:
             "calls_per_run": options.host_calls,
             "interleaved": True,
         }
-    return timing.summarize(probe, unit="us")
+    return {**timing.summarize(probe, unit="us"), "before_rounds": quiet}
 
 
 def run_compared(session, workload) -> dict:

@@ -8,6 +8,7 @@ All GPU numbers come from events after warm-up; each loop reports the median and
 - ``host``: wall time over many calls, then one synchronize; the host's cost per call.
 """
 
+import os
 import statistics
 import time
 
@@ -97,6 +98,52 @@ def host_round_us(system, call, calls: int) -> float:
 
 
 PROBE_CALLS = 2000
+QUIET_BUSY_CPUS = 0.5  # the machine's other work, in CPUs, under which host timing starts
+QUIET_WINDOW_SECONDS = 1.0
+QUIET_MAX_SECONDS = 90.0
+
+
+def _busy_and_total_jiffies() -> tuple[int, int] | None:
+    """All CPUs' busy and total time from /proc/stat (Linux), else None."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet_host(
+    busy_cpus: float = QUIET_BUSY_CPUS,
+    window: float = QUIET_WINDOW_SECONDS,
+    limit: float = QUIET_MAX_SECONDS,
+) -> dict:
+    """Sleeps until the machine's CPUs are quiet: two windows in a row with less than
+    ``busy_cpus`` CPUs busy (this process sleeps, so that is everyone else's work), or
+    ``limit`` seconds. A system's first call can leave work behind: torch.compile's first
+    compile starts a pool of compile workers, and for 10-20 s after it every Python loop in
+    this process ran up to 2x slower on the H100 host (notes/performance.md), which would
+    land on whichever system was timed then."""
+    first = _busy_and_total_jiffies()
+    if first is None:
+        return {"waited_s": 0.0, "busy_cpus": None, "quiet": None}
+    cpus = os.cpu_count() or 1
+    start = time.perf_counter()
+    quiet_windows, busy = 0, None
+    previous = first
+    while quiet_windows < 2 and time.perf_counter() - start < limit:
+        time.sleep(window)
+        current = _busy_and_total_jiffies()
+        total = current[1] - previous[1]
+        busy = cpus * (current[0] - previous[0]) / total if total else 0.0
+        quiet_windows = quiet_windows + 1 if busy < busy_cpus else 0
+        previous = current
+    return {
+        "waited_s": time.perf_counter() - start,
+        "busy_cpus": busy,
+        "quiet": quiet_windows >= 2,
+    }
 
 
 def _probe_work(values: tuple) -> tuple:
