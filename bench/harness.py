@@ -230,7 +230,11 @@ def run_host_rounds(session, workload, results: dict) -> dict | None:
             "calls_per_run": options.host_calls,
             "interleaved": True,
         }
-    return {**timing.summarize(probe, unit="us"), "before_rounds": quiet}
+    return {
+        **timing.summarize(probe, unit="us"),
+        "before_rounds": quiet,
+        "audit_hook_ns_per_event": timing.audit_cost_ns(),
+    }
 
 
 def run_compared(session, workload) -> dict:

@@ -346,6 +346,11 @@ def probe_lines(rows: list) -> list[str]:
     rounds (a slower probe means a slower host, for every system in that row)."""
     parts = [
         f"{row['name']} {number(probe['median_us'])} µs (best {number(probe['min_us'])})"
+        + (
+            f", audit hooks {number(probe['audit_hook_ns_per_event'])} ns per audited event"
+            if probe.get("audit_hook_ns_per_event") is not None
+            else ""
+        )
         for row in rows
         if row["kind"] == HOST
         for probe in [row["results"].get("flame", {}).get("python_probe")]
@@ -353,7 +358,12 @@ def probe_lines(rows: list) -> list[str]:
     ]
     if not parts:
         return []
-    return ["- host speed, a pure-Python probe in the host rows' rounds: " + "; ".join(parts), ""]
+    return [
+        "- host speed, a pure-Python probe in the host rows' rounds: "
+        + "; ".join(parts)
+        + " (lazy mode reads two audited values per op to record its user line)",
+        "",
+    ]
 
 
 def render(report: dict) -> str:

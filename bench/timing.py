@@ -10,6 +10,7 @@ All GPU numbers come from events after warm-up; each loop reports the median and
 
 import os
 import statistics
+import sys
 import time
 
 GIB = 1 << 30
@@ -152,6 +153,26 @@ def _probe_work(values: tuple) -> tuple:
     for value in values:
         nodes.append((value, (value + 1, {"v": value}), [value]))
     return tuple(node[1][1]["v"] for node in nodes)
+
+
+def audit_cost_ns(calls: int = PROBE_CALLS) -> float:
+    """Nanoseconds the interpreter's audit hooks add to one audited event: ``sys._getframe``
+    (an audited event) against ``sys.getrecursionlimit`` (a C call without one). Zero-ish
+    without hooks; libraries add hooks at import (filelock, which PyTorch imports, adds two),
+    and lazy mode's per-op user line reads two audited values (``sys._getframe``,
+    ``frame.f_code``), so this cost lands on every op a lazy graph builds."""
+    getframe, plain = sys._getframe, sys.getrecursionlimit
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            getframe()
+        middle = time.perf_counter()
+        for _ in range(calls):
+            plain()
+        end = time.perf_counter()
+        best = min(best, ((middle - start) - (end - middle)) / calls * 1e9)
+    return max(0.0, best)
 
 
 def python_probe_us(calls: int = PROBE_CALLS) -> float:

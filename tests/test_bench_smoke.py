@@ -473,6 +473,7 @@ def test_host_rows_time_every_system_in_the_same_rotated_rounds(tmp_path):
         assert results[key]["host"]["runs"] == 4 and results[key]["host"]["interleaved"]
         assert "call" not in results[key]
     assert results["flame"]["python_probe"]["runs"] == 4
+    assert results["flame"]["python_probe"]["audit_hook_ns_per_event"] >= 0
     # after each system's first call and warm-up call: 4 rounds of 3 bursts of 3 calls
     timed = log[2 * len(names) :]
     bursts = [timed[index] for index in range(0, len(timed), options.host_calls)]
