@@ -57,23 +57,51 @@ def _code_entry(code) -> tuple:
     return entry
 
 
-def frame_site(frame, _get=_sites.get, _id=id) -> Site | None:  # names bound: a hot path
+class SiteMark:
+    """Left in a user frame's ``f_trace`` by ``frame_site``: the frame's code entry, so that
+    the next ops built in the same frame skip reading ``frame.f_code``. That read is an audited
+    event: every audit hook in the process runs on it (filelock, which PyTorch imports, adds
+    two; with them each op of lazy mode paid ~0.7 us for its two audited reads on the H100
+    host). The mark lives and dies with its frame, so it cannot name another frame's code.
+
+    It is set only where no tracer is active and the frame has no trace function. A tracer
+    started later that finds it calls it: it returns None (no line events for this frame),
+    which is what a frame that started untraced gets anyway."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: tuple):
+        self.entry = entry
+
+    def __call__(self, frame, event, arg):
+        return None
+
+
+def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettrace):
     """The site of ``frame`` if it is the user's (outside FLAME), else of the first user frame
-    below it: ``user_site`` from a known frame, for the graph-building fast paths."""
-    code = frame.f_code
-    entry = _get(_id(code))
-    if entry is None or entry[0] is not code:
-        entry = _code_entry(code)
-    while entry[1]:  # FLAME's own code: walk out to the user's
-        frame = frame.f_back
+    below it: ``user_site`` from a known frame, for the graph-building fast paths. (Names are
+    bound as defaults: a hot path.)"""
+    while True:
+        mark = frame.f_trace
+        if type(mark) is _mark:
+            entry = mark.entry  # a user frame seen before: its code, without reading f_code
+            break
+        code = frame.f_code
+        entry = _get(_id(code))
+        if entry is None or entry[0] is not code:
+            entry = _code_entry(code)
+        if not entry[1]:
+            if mark is None and _tracer() is None:
+                frame.f_trace = _mark(entry)
+            break
+        frame = frame.f_back  # FLAME's own code: walk out to the user's
         if frame is None:
             return None
-        entry = _code_entry(frame.f_code)
     lines = entry[2]
     offset = frame.f_lasti
     site = lines.get(offset)
     if site is None:
-        site = lines[offset] = (frame.f_code.co_filename, frame.f_lineno)
+        site = lines[offset] = (entry[0].co_filename, frame.f_lineno)
     return site
 
 

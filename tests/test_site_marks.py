@@ -1,0 +1,138 @@
+"""Recording each op's user line without rereading the frame's code object.
+
+``frame.f_code`` is an audited read: every audit hook in the process runs on it. The graph
+builders leave a ``SiteMark`` in the user frame's ``f_trace`` and read the code from it for
+the next ops of that frame. These tests check that the mark saves the reads, never names
+another frame's code, and never disturbs a tracer (debuggers, coverage).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flame as fl
+from flame.ir.node import SiteMark
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _line() -> int:
+    return sys._getframe(1).f_lineno
+
+
+@pytest.fixture
+def x(reference_backend):
+    return fl.tensor(np.arange(4, dtype=np.float32)).realize()
+
+
+def test_ops_of_one_frame_read_its_code_once():
+    """Counted with an audit hook, in a child process: a hook cannot be removed again."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import flame as fl
+        reads = []
+        sys.addaudithook(
+            lambda event, args: reads.append(args[1]) if event == "object.__getattr__" else None
+        )
+        with fl.backend("reference"):
+            x = fl.randn(8, seed=0).realize()
+
+            def twenty(value):
+                for _ in range(10):
+                    value = value * 1.5
+                    value = fl.tanh(value)
+                return value
+
+            twenty(x)  # the first call sets the mark in its frame
+            before = reads.count("f_code")
+            result = twenty(x)
+            print("F_CODE_READS", reads.count("f_code") - before, result.node.site[1] > 0)
+        """
+    )
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    completed = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("F_CODE_READS"))
+    _, reads, has_site = line.split()
+    assert int(reads) == 1  # 20 ops, one read: the new frame's first op
+    assert has_site == "True"
+
+
+def test_marks_never_mix_frames_of_different_code(x):
+    def first(value):
+        return value * 2.0
+
+    def second(value):
+        return value * 2.0  # the same code offset as in ``first``
+
+    lines = (first.__code__.co_firstlineno + 1, second.__code__.co_firstlineno + 1)
+    for _ in range(3):  # frames come and go; a freed frame's memory may hold the next one
+        assert first(x).node.site == (__file__, lines[0])
+        assert second(x).node.site == (__file__, lines[1])
+
+
+def test_the_mark_is_left_in_the_users_frame_only(x):
+    x * 2.0
+    assert type(sys._getframe().f_trace) is SiteMark
+    value = fl.gelu(x)  # built inside FLAME's own code too, walking out to this line
+    assert value.node.site == (__file__, _line() - 1)
+
+
+def test_an_active_tracer_keeps_its_trace_function(x):
+    seen = []
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen.append(frame.f_lineno)
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is traced.__code__ else None
+
+    def traced(value):
+        value = value * 2.0
+        after = value + 1.0
+        return after, sys._getframe().f_trace
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        result, trace_function = traced(x)
+    finally:
+        sys.settrace(previous)
+    assert trace_function is local  # not replaced by a mark
+    first = traced.__code__.co_firstlineno
+    assert [first + 1, first + 2, first + 3] == seen  # every line after the op still traced
+    assert result.node.site == (__file__, first + 2)
+
+
+def test_a_tracer_started_after_the_mark_runs_the_frame_normally(x):
+    x * 2.0  # leaves the mark in this frame
+    assert type(sys._getframe().f_trace) is SiteMark
+    events = []
+
+    def tracer(frame, event, arg):
+        events.append(event)
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        value = x + 1.0  # this frame's mark may be called for line events: it returns None
+        here = _line() - 1
+        total = float(value.numpy().sum())
+    finally:
+        sys.settrace(previous)
+    assert value.node.site == (__file__, here)
+    assert total == pytest.approx(10.0)
+    assert "call" in events  # the tracer saw the new frames below this one
