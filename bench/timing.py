@@ -159,8 +159,8 @@ def audit_cost_ns(calls: int = PROBE_CALLS) -> float:
     """Nanoseconds the interpreter's audit hooks add to one audited event: ``sys._getframe``
     (an audited event) against ``sys.getrecursionlimit`` (a C call without one). Zero-ish
     without hooks; libraries add hooks at import (filelock, which PyTorch imports, adds two),
-    and lazy mode's per-op user line reads two audited values (``sys._getframe``,
-    ``frame.f_code``), so this cost lands on every op a lazy graph builds."""
+    and lazy mode records each op's user line with ``sys._getframe`` (and ``frame.f_code``
+    once per frame), so this cost lands on every op a lazy graph builds."""
     getframe, plain = sys._getframe, sys.getrecursionlimit
     best = float("inf")
     for _ in range(3):
