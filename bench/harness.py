@@ -237,27 +237,40 @@ def run_host_rounds(session, workload, results: dict) -> dict | None:
     }
 
 
-def run_compared(session, workload) -> dict:
-    if workload.kind == HOST:
-        return run_host_compared(session, workload)
+def row_inputs(session, workload):
+    """(inputs, reference) of a compared row; no inputs when the whole row is skipped."""
     xp = session.array_module
     specs = workload.input_specs(session.options.quick)
     inputs = make_inputs(xp, specs) if row_skip_reason(session, workload) is None else []
-    reference = Reference(workload, inputs, specs, xp)
-    results = {}
+    return inputs, Reference(workload, inputs, specs, xp)
+
+
+def each_system(session, workload, action, label: str = ""):
+    """(system, entry) for every system, PyTorch eager first and torch.compile last: a skipped
+    or unavailable system's entry says why; the others run ``action(system)``, guarded."""
     for system in peers_first(session.systems):
         reason = skip_reason(session, workload, system)
         if reason is not None:
-            results[system.key] = {"status": "skipped", "reason": reason}
+            yield system, {"status": "skipped", "reason": reason}
         elif not system.available:
-            results[system.key] = unavailable_entry(system)
+            yield system, unavailable_entry(system)
         else:
-            progress(f"{workload.name}: {system.label}")
-            results[system.key] = guarded(
-                measure_device, session, workload, system, inputs, reference
-            )
-            release_memory(session)
-    del inputs, reference
+            progress(f"{workload.name}: {system.label}{label}")
+            yield system, guarded(action, system)
+
+
+def run_compared(session, workload) -> dict:
+    if workload.kind == HOST:
+        return run_host_compared(session, workload)
+    row = row_inputs(session, workload)  # cleared at the end: the inputs' memory goes back
+
+    def measure(system):
+        entry = measure_device(session, workload, system, *row)
+        release_memory(session)
+        return entry
+
+    results = {system.key: entry for system, entry in each_system(session, workload, measure)}
+    row = ()
     release_memory(session)
     return {system.key: results[system.key] for system in session.systems}
 
@@ -265,27 +278,21 @@ def run_compared(session, workload) -> dict:
 def run_host_compared(session, workload) -> dict:
     """A host row: every system prepared first (torch.compile last, as in device rows), then
     all of them timed in the same interleaved rounds."""
-    xp = session.array_module
-    specs = workload.input_specs(session.options.quick)
-    inputs = make_inputs(xp, specs) if row_skip_reason(session, workload) is None else []
-    reference = Reference(workload, inputs, specs, xp)
-    prepared = {}
-    for system in peers_first(session.systems):
-        reason = skip_reason(session, workload, system)
-        if reason is not None:
-            entry = {"status": "skipped", "reason": reason}
-        elif not system.available:
-            entry = unavailable_entry(system)
-        else:
-            progress(f"{workload.name}: {system.label} (prepare)")
-            entry = guarded(prepare_host, session, workload, system, inputs, reference)
-        prepared[system.key] = (system.key, entry, system)
+    row = row_inputs(session, workload)
+
+    def prepare(system):
+        return prepare_host(session, workload, system, *row)
+
+    prepared = {
+        system.key: (system.key, entry, system)
+        for system, entry in each_system(session, workload, prepare, " (prepare)")
+    }
     progress(f"{workload.name}: interleaved rounds")
     probe = run_host_rounds(session, workload, prepared)
     results = {key: entry for key, entry, _ in prepared.values()}
     if probe is not None:
         results["flame"]["python_probe"] = probe
-    del inputs, reference, prepared
+    row = prepared = ()  # the inputs and the prepared calls go before the memory is released
     release_memory(session)
     return {system.key: results[system.key] for system in session.systems}
 
