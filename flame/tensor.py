@@ -15,7 +15,7 @@ import numpy as np
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
 from flame.ir.infer import NAN, canonical_float, make_const
-from flame.ir.node import Node, format_site, frame_site, user_site
+from flame.ir.node import Node, caller_frame, format_site, frame_site, user_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -203,6 +203,7 @@ def _fast_unary(op_name: str):
     accepted = _fast_dtypes(op)
     # names the builder reads every call, bound here (closure cells read faster than globals)
     getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
+    caller = caller_frame
     node_type, tensor_type = Node, Tensor
 
     def function(x):
@@ -210,7 +211,11 @@ def _fast_unary(op_name: str):
             node = x.node
             dtype = node.dtype
             if dtype in accepted:
-                site = site_of(getframe(1))
+                try:
+                    frame = caller(None)  # the caller's frame without an audited call
+                except ValueError:  # another thread is in ``caller_frame`` now
+                    frame = getframe(1)
+                site = site_of(frame)
                 node = node_type(op_name, (node,), (), dtype, node.shape, site)
                 if grad_on():
                     return tensor_type(node, x.backend)
@@ -229,6 +234,7 @@ def _fast_binary(op_name: str, reflected: bool = False):
     accepted = _fast_dtypes(op)
     out_bool = op.out_bool
     getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
+    caller = caller_frame
     node_type, tensor_type = Node, Tensor  # bound here, as in _fast_unary
 
     def function(x, other):
@@ -249,7 +255,11 @@ def _fast_binary(op_name: str, reflected: bool = False):
                 else:
                     other_node = None
                 if other_node is not None:
-                    site = site_of(getframe(1))
+                    try:
+                        frame = caller(None)  # as in _fast_unary
+                    except ValueError:
+                        frame = getframe(1)
+                    site = site_of(frame)
                     node = node_type(
                         op_name,
                         (other_node, node) if reflected else (node, other_node),

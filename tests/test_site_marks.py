@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def test_ops_of_one_frame_read_its_code_once():
         import flame as fl
         reads = []
         sys.addaudithook(
-            lambda event, args: reads.append(args[1]) if event == "object.__getattr__" else None
+            lambda event, args: reads.append(args[1] if event == "object.__getattr__" else event)
         )
         with fl.backend("reference"):
             x = fl.randn(8, seed=0).realize()
@@ -53,8 +54,11 @@ def test_ops_of_one_frame_read_its_code_once():
 
             twenty(x)  # the first call sets the mark in its frame
             before = reads.count("f_code")
+            before_all = len(reads)
             result = twenty(x)
-            print("F_CODE_READS", reads.count("f_code") - before, result.node.site[1] > 0)
+            after = reads[before_all:]
+            print("F_CODE_READS", reads.count("f_code") - before, result.node.site[1] > 0,
+                  after.count("sys._getframe"))
         """
     )
     environment = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -63,9 +67,10 @@ def test_ops_of_one_frame_read_its_code_once():
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     line = next(line for line in completed.stdout.splitlines() if line.startswith("F_CODE_READS"))
-    _, reads, has_site = line.split()
+    _, reads, has_site, getframes = line.split()
     assert int(reads) == 1  # 20 ops, one read: the new frame's first op
     assert has_site == "True"
+    assert int(getframes) == 0  # the caller's frame comes from caller_frame, not sys._getframe
 
 
 def test_marks_never_mix_frames_of_different_code(x):
@@ -136,3 +141,39 @@ def test_a_tracer_started_after_the_mark_runs_the_frame_normally(x):
     assert value.node.site == (__file__, here)
     assert total == pytest.approx(10.0)
     assert "call" in events  # the tracer saw the new frames below this one
+
+
+def test_threads_building_at_once_get_their_own_lines(x):
+    """``caller_frame`` is one generator: a thread that finds another inside it takes
+    ``sys._getframe`` instead. Either way each op gets its own thread's line."""
+
+    def left(value):
+        return value * 2.0
+
+    def right(value):
+        return fl.tanh(value)
+
+    lines = {left: left.__code__.co_firstlineno + 1, right: right.__code__.co_firstlineno + 1}
+    wrong, errors = [], []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+
+    def run(function):
+        try:
+            for _ in range(3000):
+                site = function(x).node.site
+                if site != (__file__, lines[function]):
+                    wrong.append(site)
+        except Exception as error:  # reported below: a thread's exception is not raised here
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in (left, right) * 3]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors
+    assert not wrong
