@@ -361,7 +361,7 @@ def probe_lines(rows: list) -> list[str]:
     return [
         "- host speed, a pure-Python probe in the host rows' rounds: "
         + "; ".join(parts)
-        + " (lazy mode makes one audited read per op, sys._getframe, to record its user line)",
+        + " (lazy mode records each op's user line without audited calls in a frame it has seen)",
         "",
     ]
 

@@ -159,8 +159,8 @@ def audit_cost_ns(calls: int = PROBE_CALLS) -> float:
     """Nanoseconds the interpreter's audit hooks add to one audited event: ``sys._getframe``
     (an audited event) against ``sys.getrecursionlimit`` (a C call without one). Zero-ish
     without hooks; libraries add hooks at import (filelock, which PyTorch imports, adds two),
-    and lazy mode records each op's user line with ``sys._getframe`` (and ``frame.f_code``
-    once per frame), so this cost lands on every op a lazy graph builds."""
+    and every ``sys._getframe`` or ``frame.f_code`` pays it (lazy mode reads ``f_code`` once
+    per new frame and reaches frames through ``flame.ir.node.caller_frame``)."""
     getframe, plain = sys._getframe, sys.getrecursionlimit
     best = float("inf")
     for _ in range(3):
