@@ -213,7 +213,7 @@ def _fast_unary(op_name: str):
             if dtype in accepted:
                 try:
                     frame = caller(None)  # the caller's frame without an audited call
-                except ValueError:  # another thread is in ``caller_frame`` now
+                except (ValueError, StopIteration):  # another thread is in it now; closed
                     frame = getframe(1)
                 site = site_of(frame)
                 node = node_type(op_name, (node,), (), dtype, node.shape, site)
@@ -257,7 +257,7 @@ def _fast_binary(op_name: str, reflected: bool = False):
                 if other_node is not None:
                     try:
                         frame = caller(None)  # as in _fast_unary
-                    except ValueError:
+                    except (ValueError, StopIteration):
                         frame = getframe(1)
                     site = site_of(frame)
                     node = node_type(

@@ -80,7 +80,10 @@ class SiteMark:
 def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettrace):
     """The site of ``frame`` if it is the user's (outside FLAME), else of the first user frame
     below it: ``user_site`` from a known frame, for the graph-building fast paths. (Names are
-    bound as defaults: a hot path.)"""
+    bound as defaults: a hot path.) None without a Python frame (a builder run by C code
+    alone)."""
+    if frame is None:
+        return None
     while True:
         mark = frame.f_trace
         if type(mark) is _mark:
@@ -125,9 +128,10 @@ def _start_callers():
     return frames.send
 
 
-# ``caller_frame()``, called straight from a builder: the builder's caller's frame. Raises
-# ValueError while another thread is inside it (a generator runs in one thread at a time):
-# the builder then asks ``sys._getframe``.
+# ``caller_frame(None)``, called straight from a builder: the builder's caller's frame (None if
+# there is none). Raises ValueError while another thread is inside it (a generator runs in one
+# thread at a time), StopIteration once closed (interpreter shutdown): the builder then asks
+# ``sys._getframe``.
 caller_frame = _start_callers()
 
 
