@@ -197,16 +197,17 @@ def skip_reason(session, workload, system) -> str | None:
     return row_skip_reason(session, workload) or workload.skip.get(system.key)
 
 
-def run_host_rounds(session, workload, results: dict) -> dict | None:
-    """Times the prepared systems of a host row in interleaved rounds: each round runs every
-    system's ``host_calls`` calls once, in an order rotated each round, so that a change in the
-    shared host's speed (whole runs and stretches of one process move 1.5-2x on the H100 host;
-    notes/performance.md) falls on every system alike and the ratios compare like with like.
-    A pure-Python probe runs in the same rounds: its time says how fast the host was."""
+def run_host_rounds(session, workload, prepared: list) -> dict | None:
+    """Times the prepared systems of a host row (``prepared``: (system, entry) pairs) in
+    interleaved rounds: each round runs every system's ``host_calls`` calls once, in an order
+    rotated each round, so that a change in the shared host's speed (1.5-3x within seconds on
+    the H100 host; notes/performance.md) falls on every system alike and the ratios compare
+    like with like. A pure-Python probe runs in the same rounds: its time says how fast the
+    host was. Each timed entry gets its ``host`` statistics; the probe's are returned."""
     options = session.options
     timed = [
-        (key, entry.pop("call"), system)
-        for key, entry, system in results.values()
+        (system, entry, entry.pop("call"))
+        for system, entry in prepared
         if entry.get("status") == "ok" and "call" in entry
     ]
     if not timed:
@@ -215,18 +216,17 @@ def run_host_rounds(session, workload, results: dict) -> dict | None:
     if session.uses_gpu and not options.quick:  # smoke runs share their CPUs with tests
         quiet = timing.wait_for_quiet_host()
         progress(f"{workload.name}: waited {quiet['waited_s']:.1f} s for a quiet host")
-    samples = {key: [] for key, _, _ in timed}
+    samples = {system.key: [] for system, _, _ in timed}
     probe = []
     for round_index in range(options.host_repeats):
         shift = round_index % len(timed)
-        for key, call, system in timed[shift:] + timed[:shift]:
+        for system, _, call in timed[shift:] + timed[:shift]:
             with system.scope(workload):
-                samples[key].append(timing.host_round_us(system, call, options.host_calls))
+                samples[system.key].append(timing.host_round_us(system, call, options.host_calls))
         probe.append(timing.python_probe_us())
-    for key, _, _ in timed:
-        entry = results[key][1]
+    for system, entry, _ in timed:
         entry["host"] = {
-            **timing.summarize(samples[key], unit="us"),
+            **timing.summarize(samples[system.key], unit="us"),
             "calls_per_run": options.host_calls,
             "interleaved": True,
         }
@@ -283,16 +283,13 @@ def run_host_compared(session, workload) -> dict:
     def prepare(system):
         return prepare_host(session, workload, system, *row)
 
-    prepared = {
-        system.key: (system.key, entry, system)
-        for system, entry in each_system(session, workload, prepare, " (prepare)")
-    }
+    prepared = list(each_system(session, workload, prepare, " (prepare)"))
     progress(f"{workload.name}: interleaved rounds")
     probe = run_host_rounds(session, workload, prepared)
-    results = {key: entry for key, entry, _ in prepared.values()}
+    results = {system.key: entry for system, entry in prepared}
     if probe is not None:
         results["flame"]["python_probe"] = probe
-    row = prepared = ()  # the inputs and the prepared calls go before the memory is released
+    row = prepared = ()  # the inputs go before the memory is released
     release_memory(session)
     return {system.key: results[system.key] for system in session.systems}
 

@@ -123,9 +123,9 @@ def wait_for_quiet_host(
     """Sleeps until the machine's CPUs are quiet: two windows in a row with less than
     ``busy_cpus`` CPUs busy (this process sleeps, so that is everyone else's work), or
     ``limit`` seconds. A system's first call can leave work behind: torch.compile's first
-    compile starts a pool of compile workers, and for 10-20 s after it every Python loop in
-    this process ran up to 2x slower on the H100 host (notes/performance.md), which would
-    land on whichever system was timed then."""
+    compile starts a pool of compile worker processes, which kept the H100 host's CPUs busy
+    for 6-12 s (notes/performance.md), and that would land on whichever system was timed
+    then."""
     first = _busy_and_total_jiffies()
     if first is None:
         return {"waited_s": 0.0, "busy_cpus": None, "quiet": None}

@@ -110,7 +110,7 @@ def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettr
 
 def _callers_of_callers():
     """A generator that yields, each time it is resumed, the frame of whoever called the
-    function that resumed it: a graph builder calling ``caller_frame()`` gets its own
+    function that resumed it: a graph builder calling ``caller_frame(None)`` gets its own
     caller's frame. ``sys._getframe`` gives the same frame but is an audited call, and every
     audit hook in the process runs on it (filelock, imported by PyTorch, adds two: ~0.2 us
     per op on the H100 host); ``f_back`` is not audited. The generator reads its own frame
