@@ -12,7 +12,15 @@ import pytest
 
 import flame as fl
 from flame.ir.node import format_site, user_site
-from flame.runtime.walks import linearize, match_walk, record_walk
+from flame.runtime.walks import (
+    COMPILE_AFTER,
+    COMPILED_WALK_LIMIT,
+    RecordedWalk,
+    compile_walk,
+    linearize,
+    match_walk,
+    record_walk,
+)
 
 
 def _line() -> int:
@@ -156,26 +164,41 @@ def _recorded(value):
     return record_walk(order, key)
 
 
+def _compiled_match(entries, root):
+    """``match_walk`` through the matcher generated for ``entries`` (one root), and through
+    the several-roots form with the root at position 0: both must answer as the loop does."""
+    single = compile_walk(entries)(root)
+    several = compile_walk(entries, (0,))([root])
+    assert _inputs_ids(single) == _inputs_ids(several)
+    return single
+
+
+@pytest.fixture(params=["loop", "compiled"])
+def match(request):
+    """Each recorded-walk test runs with the loop (``match_walk``) and the generated matcher."""
+    return match_walk if request.param == "loop" else _compiled_match
+
+
 def _inputs_ids(nodes):
     return None if nodes is None else [id(node) for node in nodes]
 
 
-def test_recorded_walk_matches_the_same_expression_built_again(xy):
+def test_recorded_walk_matches_the_same_expression_built_again(xy, match):
     x, y = xy
     entries = _recorded(fl.tanh(x * y + 2.0) * x - fl.exp(y))
     again = fl.tanh(x * y + 2.0) * x - fl.exp(y)
     _, inputs, _ = linearize([again.node])
-    assert _inputs_ids(match_walk(entries, again.node)) == _inputs_ids(inputs)
+    assert _inputs_ids(match(entries, again.node)) == _inputs_ids(inputs)
 
 
-def test_recorded_walk_takes_other_inputs_of_the_same_type_and_layout(xy):
+def test_recorded_walk_takes_other_inputs_of_the_same_type_and_layout(xy, match):
     x, y = xy
     z = fl.tensor(np.full(4, 3.0, dtype=np.float32)).realize()
     entries = _recorded(x * y + 1.0)
-    assert _inputs_ids(match_walk(entries, (z * x + 1.0).node)) == _inputs_ids([z.node, x.node])
+    assert _inputs_ids(match(entries, (z * x + 1.0).node)) == _inputs_ids([z.node, x.node])
 
 
-def test_recorded_walk_rejects_every_difference_the_plan_key_holds(xy):
+def test_recorded_walk_rejects_every_difference_the_plan_key_holds(xy, match):
     x, y = xy
     entries = _recorded(fl.leaky_relu(x * y, 0.1) + 1.0)
     columns = fl.tensor(np.arange(8, dtype=np.float32).reshape(2, 4)).realize()
@@ -192,25 +215,25 @@ def test_recorded_walk_rejects_every_difference_the_plan_key_holds(xy):
         "attribute": fl.leaky_relu(x * y, 0.2) + 1.0,
     }
     for name, value in different.items():
-        assert match_walk(entries, value.node) is None, name
+        assert match(entries, value.node) is None, name
 
 
-def test_recorded_walk_rejects_less_sharing_and_realized_values(xy):
+def test_recorded_walk_rejects_less_sharing_and_realized_values(xy, match):
     x, y = xy
-    assert match_walk(_recorded(x * x), (x * y).node) is None
+    assert match(_recorded(x * x), (x * y).node) is None
     product = x * y
     entries = _recorded(product + 1.0)
     realized = x * y
     realized.realize()  # now an input of the next graph, not a product to compute
-    assert match_walk(entries, (realized + 1.0).node) is None
+    assert match(entries, (realized + 1.0).node) is None
     unrealized = x * y
-    assert match_walk(_recorded(realized + 1.0), (unrealized + 1.0).node) is None
+    assert match(_recorded(realized + 1.0), (unrealized + 1.0).node) is None
 
 
-def test_recorded_walk_with_more_sharing_binds_the_shared_input_twice(xy):
+def test_recorded_walk_with_more_sharing_binds_the_shared_input_twice(xy, match):
     # x * x after x * y: the plan for x * y computes x * x when given x twice; no walk needed
     x, y = xy
-    assert _inputs_ids(match_walk(_recorded(x * y), (x * x).node)) == _inputs_ids([x.node] * 2)
+    assert _inputs_ids(match(_recorded(x * y), (x * x).node)) == _inputs_ids([x.node] * 2)
 
 
 def _random_program(rng, leaves: int, length: int) -> list:
@@ -256,7 +279,7 @@ def _mutated(rng, program: list, leaves: int) -> list:
     return program
 
 
-def test_recorded_walk_agrees_with_linearize_on_random_graphs(xy):
+def test_recorded_walk_agrees_with_linearize_on_random_graphs(xy, match):
     """Equal keys: the walk matches and finds linearize's inputs. A match with another key
     only where the new graph shares more (fewer distinct nodes), which the plan computes."""
     x, y = xy
@@ -272,7 +295,7 @@ def test_recorded_walk_agrees_with_linearize_on_random_graphs(xy):
         leaves = [x, y, z] if rng.random() < 0.7 else [z, x, y]
         second = _build(second_program, leaves)
         second_order, second_inputs, second_key = linearize([second.node])
-        got = match_walk(entries, second.node)
+        got = match(entries, second.node)
         if second_key == key:
             assert _inputs_ids(got) == _inputs_ids(second_inputs)
         elif got is not None:
@@ -293,3 +316,48 @@ def test_nan_constants_made_anew_give_one_plan_key(xy):
     assert hash(keys[0]) == hash(keys[1])
     value = fl.where(x > 1.0, x * float("nan"), x).numpy()
     assert np.isnan(value[2:]).all() and not np.isnan(value[:2]).any()
+
+
+def test_compiled_walk_takes_several_roots_as_the_loop_does(xy):
+    x, y = xy
+    shared = x * y
+    roots = [fl.exp(shared).node, (shared + 1.0).node, shared.node]
+    order, inputs, key = linearize(roots)
+    entries = record_walk(order, key)
+    positions = tuple(len(order) - 1 - index for index in key[-1])
+    shared_again = x * y
+    again = [fl.exp(shared_again).node, (shared_again + 1.0).node, shared_again.node]
+    matcher = compile_walk(entries, positions)
+    assert _inputs_ids(matcher(again)) == _inputs_ids(match_walk(entries, again, positions))
+    assert _inputs_ids(matcher(again)) == _inputs_ids(linearize(again)[1])
+    unshared = [fl.exp(x * y).node, (x * y + 1.0).node, (x * y).node]  # less sharing
+    assert matcher(unshared) is None and match_walk(entries, unshared, positions) is None
+    assert matcher(again[:2]) is None  # a root missing
+    swapped = [again[1], again[0], again[2]]
+    assert matcher(swapped) is None and match_walk(entries, swapped, positions) is None
+
+
+def test_compiled_walk_refuses_what_it_cannot_compile(xy):
+    x, _ = xy
+    value = x
+    for _ in range(COMPILED_WALK_LIMIT):
+        value = fl.exp(value)
+    assert compile_walk(_recorded(value)) is None  # too long: the loop keeps matching it
+    entries = _recorded(x * 2.0)
+    assert compile_walk(entries, (0, 0)) is None  # two roots at one position
+
+
+def test_recorded_walk_compiles_its_matcher_after_repeated_matches(xy):
+    x, y = xy
+    order, _, key = linearize([(x * y + 1.0).node])
+    walk = RecordedWalk(record_walk(order, key), plan=None, positions=(0,))
+    for count in range(COMPILE_AFTER):
+        assert walk.matcher is None
+        assert walk.match([(x * y + 2.0).node]) is None  # a miss never counts
+        again = x * y + 1.0
+        assert _inputs_ids(walk.match([again.node])) == _inputs_ids(linearize([again.node])[1])
+        assert walk.matches == count + 1
+    assert walk.matcher is not None
+    again = y * x + 1.0
+    assert _inputs_ids(walk.match([again.node])) == _inputs_ids([y.node, x.node])
+    assert walk.match([(x * y - 1.0).node]) is None

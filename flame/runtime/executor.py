@@ -25,7 +25,7 @@ from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.launch import Launch
 from flame.runtime.storage import PlannedInput, Storage
-from flame.runtime.walks import linearize, match_walk, record_walk
+from flame.runtime.walks import RecordedWalk, linearize, record_walk
 
 PLAN_CACHE_SIZE = 512
 WALK_SITES = 256  # lines of user code whose last graphs' walks are kept (lazy mode)
@@ -96,7 +96,7 @@ class Executor:
         self.plan_misses = 0
         self._warm_up_pending = True
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
-        # -> up to WALKS_PER_SITE (entries, plan), newest first
+        # -> up to WALKS_PER_SITE RecordedWalks, newest first
         self._walks: dict[tuple, tuple] = {}
 
     def realize(self, nodes: list[Node]) -> None:
@@ -143,10 +143,10 @@ class Executor:
     def _run_recorded(self, site: tuple, pending: list[Node]) -> None:
         walks = self._walks.get(site, ())
         plan = None
-        for entries, recorded, positions in walks:
-            inputs = match_walk(entries, pending, positions)
+        for walk in walks:
+            inputs = walk.match(pending)
             if inputs is not None:
-                plan = recorded
+                plan = walk.plan
                 self.plan_hits += 1
                 break
         if plan is None:
@@ -167,7 +167,8 @@ class Executor:
             with self._lock:
                 if site not in self._walks and len(self._walks) >= WALK_SITES:
                     self._walks.pop(next(iter(self._walks)))
-                self._walks[site] = ((entries, plan, positions), *walks[: WALKS_PER_SITE - 1])
+                recorded = RecordedWalk(entries, plan, positions)
+                self._walks[site] = (recorded, *walks[: WALKS_PER_SITE - 1])
         return plan, inputs
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:

@@ -201,3 +201,103 @@ def match_walk(entries: tuple, root, positions: tuple | None = None) -> list[Nod
                     return None
     inputs.reverse()
     return inputs
+
+
+COMPILED_WALK_LIMIT = 1024  # entries (compiling costs ~45 us each on the CPU machine)
+COMPILE_AFTER = 8  # matches by the loop before a walk's matcher is compiled
+
+
+class RecordedWalk:
+    """One line's recorded walk (``record_walk``), the plan it ran, and where its roots
+    were: matched by ``match_walk`` until it has matched ``COMPILE_AFTER`` times (a line
+    that keeps being built the same way), then by the matcher ``compile_walk`` makes."""
+
+    __slots__ = ("entries", "plan", "positions", "matches", "matcher")
+
+    def __init__(self, entries: tuple, plan, positions: tuple):
+        self.entries = entries
+        self.plan = plan
+        self.positions = positions
+        self.matches = 0
+        self.matcher = None
+
+    def match(self, roots: list) -> list[Node] | None:
+        """``match_walk(self.entries, roots, self.positions)``."""
+        matcher = self.matcher
+        if matcher is not None:
+            return matcher(roots)
+        inputs = match_walk(self.entries, roots, self.positions)
+        if inputs is not None:
+            self.matches += 1
+            if self.matches == COMPILE_AFTER:  # threads racing here compile it twice at worst
+                self.matcher = compile_walk(self.entries, self.positions)
+        return inputs
+
+
+def compile_walk(entries: tuple, positions: tuple | None = None):
+    """``match_walk`` for one recorded walk, as straight-line Python generated from it:
+    ``matcher(root)`` (``root`` a list when ``positions`` is given) returns what
+    ``match_walk(entries, root, positions)`` returns.
+
+    The loop of ``match_walk`` interprets the record at every node (entry lookups, the
+    position table, branches on the entry's kind); the generated function has each check
+    spelled out with the node in a local variable, which costs about a third as much. Lazy
+    mode compiles the walk of a line that keeps being built the same way. None where the
+    record cannot be compiled (too long, roots at repeated positions)."""
+    if len(entries) > COMPILED_WALK_LIMIT:
+        return None
+    constants: dict[str, object] = {}
+    placed: set[int] = set()
+    if positions is None:
+        lines = ["def matcher(n0):"]
+        placed.add(0)
+    else:
+        if len(set(positions)) != len(positions):
+            return None
+        roots = "".join(f"n{index}, " for index in positions)
+        lines = [
+            "def matcher(roots):",
+            f"    if len(roots) != {len(positions)}: return None",
+            f"    {roots}= roots",
+        ]
+        placed.update(positions)
+    inputs = []
+    for index, entry in enumerate(entries):
+        if index not in placed:
+            return None  # a node no earlier one reaches: never from record_walk
+        node, op = f"n{index}", entry[0]
+        constants[f"k{index}"] = entry[1]
+        if op is None:
+            inputs.append(node)
+            lines += [
+                f"    s = {node}.buffer",
+                "    if s is None:",
+                f"        if {node}.op != 'buffer': return None",
+                f"        s = {node}.attr('storage')",
+                f"    if ({node}.dtype, {node}.shape, s.layout()) != k{index}: return None",
+            ]
+            continue
+        lines.append(f"    if {node}.buffer is not None: return None")
+        if op is False:
+            lines.append(
+                f"    if {node}.inputs or ({node}.op, {node}.attrs, {node}.dtype, {node}.shape)"
+                f" != k{index}: return None"
+            )
+            continue
+        constants[f"o{index}"] = op
+        children = entry[2:]
+        lines += [
+            f"    if {node}.op != o{index} or {node}.attrs != k{index}: return None",
+            f"    c = {node}.inputs",
+            f"    if len(c) != {len(children)}: return None",
+        ]
+        for place, child in enumerate(children):
+            if child in placed:
+                lines.append(f"    if c[{place}] is not n{child}: return None")
+            else:
+                lines.append(f"    n{child} = c[{place}]")
+                placed.add(child)
+    lines.append(f"    return [{', '.join(reversed(inputs))}]")
+    namespace = dict(constants)
+    exec(compile("\n".join(lines), "<flame recorded walk>", "exec"), namespace)  # noqa: S102
+    return namespace["matcher"]
