@@ -59,12 +59,10 @@ def _realize_on_gpu(nodes) -> None:
     from flame.runtime.executor import default_executor
 
     device_info()  # a clear error, naming the way out, when there is no GPU
-
-    def realize(nodes) -> None:
-        default_executor().realize(nodes)
-
-    _realize_on_gpu = realize  # a GPU is there: it stays for the life of the process
-    realize(nodes)
+    # A GPU is there: it stays for the life of the process, and so does the default
+    # executor (made once, never replaced), so its method is bound here once.
+    _realize_on_gpu = default_executor().realize
+    _realize_on_gpu(nodes)
 
 
 def synchronize() -> None:

@@ -361,3 +361,24 @@ def test_recorded_walk_compiles_its_matcher_after_repeated_matches(xy):
     again = y * x + 1.0
     assert _inputs_ids(walk.match([again.node])) == _inputs_ids([y.node, x.node])
     assert walk.match([(x * y - 1.0).node]) is None
+
+
+def test_fast_builders_set_every_slot_as_the_constructors_do(xy):
+    """The operator and ``flame.op`` builders make nodes and tensors without calling
+    ``Node.__init__`` and ``Tensor.__init__``: each slot must hold what those would put there
+    (a slot never set raises AttributeError when read)."""
+    from flame.ir.node import Node
+    from flame.tensor import Tensor
+
+    x, y = xy
+    built = [fl.exp(x), x * y, x * 2.0, 2.0 - x, x < y]
+    for value in built:
+        node = value.node
+        expected = Node(node.op, node.inputs, node.attrs, node.dtype, node.shape, node.site)
+        for slot in Node.__slots__:
+            assert getattr(node, slot) == getattr(expected, slot), (node.op, slot)
+        expected_tensor = Tensor(node, value.backend)
+        for slot in Tensor.__slots__:
+            if slot != "__weakref__":
+                assert getattr(value, slot) is getattr(expected_tensor, slot), slot
+        assert node == expected and hash(node) == hash(expected)

@@ -1,4 +1,4 @@
-"""Lazy mode's recorded walks on the GPU (flame/runtime/executor.py, ``_realize_one``): a graph
+"""Lazy mode's recorded walks on the GPU (flame/runtime/executor.py, ``Executor.realize``): a graph
 built at the line of an earlier one runs that one's plan only when it has the same structure;
 every other change -- operands swapped or shared, other shapes, layouts and dtypes, values
 realized in between -- gives the right values too."""

@@ -38,43 +38,48 @@ def format_site(site) -> str:
     return f"{os.path.basename(site[0])}:{site[1]}"
 
 
-# Line numbers, memoized per code object and bytecode offset: ``frame.f_lineno`` scans the
-# code's line table from its start, which costs more than building a node in a long user
-# function. id(code) -> (code, in_flame, {offset: site}); the entry holds its code object, so
-# the id is not reused while cached. A pure memo (equal inputs, equal answers): threads and
-# tests can share it. Cleared when it grows past _SITE_CODES code objects (exec'd code).
-_sites: dict[int, tuple] = {}
-_SITE_CODES = 4096
+class SiteMark(dict):
+    """The sites of one code object's ops: bytecode offset -> (filename, line), filled as
+    ops are built (``frame.f_lineno`` scans the code's line table from its start, which
+    costs more than building a node in a long user function).
 
-
-def _code_entry(code) -> tuple:
-    entry = _sites.get(id(code))
-    if entry is None or entry[0] is not code:
-        if len(_sites) >= _SITE_CODES:
-            _sites.clear()
-        entry = (code, code.co_filename.startswith(FLAME_DIR), {})
-        _sites[id(code)] = entry
-    return entry
-
-
-class SiteMark:
-    """Left in a user frame's ``f_trace`` by ``frame_site``: the frame's code entry, so that
-    the next ops built in the same frame skip reading ``frame.f_code``. That read is an audited
-    event: every audit hook in the process runs on it (filelock, which PyTorch imports, adds
-    two; with them each op of lazy mode paid ~0.7 us for its two audited reads on the H100
-    host). The mark lives and dies with its frame, so it cannot name another frame's code.
+    ``frame_site`` also leaves it in each user frame's ``f_trace``, so that the frame's next
+    ops read their sites from the frame without reading ``frame.f_code``. That read is an
+    audited event: every audit hook in the process runs on it (filelock, which PyTorch
+    imports, adds two; with them each op of lazy mode paid ~0.7 us for its two audited reads
+    on the H100 host). The graph builders in flame/tensor.py read a site straight from the
+    mark and call ``frame_site`` only for a frame or offset not seen before. A mark names one
+    code object, so frames of other code never read it.
 
     It is set only where no tracer is active and the frame has no trace function. A tracer
     started later that finds it calls it: it returns None (no line events for this frame),
     which is what a frame that started untraced gets anyway."""
 
-    __slots__ = ("entry",)
+    __slots__ = ("code", "in_flame")
 
-    def __init__(self, entry: tuple):
-        self.entry = entry
+    def __init__(self, code):
+        super().__init__()
+        self.code = code
+        self.in_flame = code.co_filename.startswith(FLAME_DIR)
 
     def __call__(self, frame, event, arg):
         return None
+
+
+# id(code) -> SiteMark, memoized: the mark holds its code object, so the id is not reused
+# while cached. A pure memo (equal inputs, equal answers): threads and tests can share it.
+# Cleared when it grows past _SITE_CODES code objects (exec'd code).
+_sites: dict[int, SiteMark] = {}
+_SITE_CODES = 4096
+
+
+def _code_sites(code) -> SiteMark:
+    sites = _sites.get(id(code))
+    if sites is None or sites.code is not code:
+        if len(_sites) >= _SITE_CODES:
+            _sites.clear()
+        sites = _sites[id(code)] = SiteMark(code)
+    return sites
 
 
 def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettrace):
@@ -85,26 +90,25 @@ def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettr
     if frame is None:
         return None
     while True:
-        mark = frame.f_trace
-        if type(mark) is _mark:
-            entry = mark.entry  # a user frame seen before: its code, without reading f_code
+        trace = frame.f_trace
+        if type(trace) is _mark:
+            sites = trace  # a user frame seen before: its code's sites, without f_code
             break
         code = frame.f_code
-        entry = _get(_id(code))
-        if entry is None or entry[0] is not code:
-            entry = _code_entry(code)
-        if not entry[1]:
-            if mark is None and _tracer() is None:
-                frame.f_trace = _mark(entry)
+        sites = _get(_id(code))
+        if sites is None or sites.code is not code:
+            sites = _code_sites(code)
+        if not sites.in_flame:
+            if trace is None and _tracer() is None:
+                frame.f_trace = sites
             break
         frame = frame.f_back  # FLAME's own code: walk out to the user's
         if frame is None:
             return None
-    lines = entry[2]
     offset = frame.f_lasti
-    site = lines.get(offset)
+    site = sites.get(offset)
     if site is None:
-        site = lines[offset] = (entry[0].co_filename, frame.f_lineno)
+        site = sites[offset] = (sites.code.co_filename, frame.f_lineno)
     return site
 
 

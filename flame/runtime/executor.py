@@ -105,7 +105,12 @@ class Executor:
             if node.buffer is not None or node.op == "buffer":
                 return
             if not events.active():  # a dump listening sees every plan lookup
-                self._realize_one(node)
+                # One lazy result. A graph built at the same line as an earlier one is
+                # checked against that one's recorded walk and runs its plan; otherwise it
+                # is walked, planned, and its walk recorded.
+                mode = are_deterministic_algorithms_enabled()
+                site = (node.op, node.site, node.shape, node.dtype, mode)
+                self._run_recorded(site, [node])
                 return
             pending = [node]
         else:
@@ -124,16 +129,9 @@ class Executor:
         for node, slot in zip(pending, plan.output_slots):
             node.buffer = Storage("cuda", node.dtype, array=slots[slot])
 
-    def _realize_one(self, node: Node) -> None:
-        """One lazy result. A graph built at the same line as an earlier one is checked
-        against that one's recorded walk (``match_walk``) and runs its plan; otherwise it is
-        walked, planned, and its walk recorded."""
-        site = (node.op, node.site, node.shape, node.dtype, are_deterministic_algorithms_enabled())
-        self._run_recorded(site, [node])
-
     def _realize_many(self, pending: list[Node]) -> None:
-        """Several results in one schedule (``fl.realize(out, *grads)``), as ``_realize_one``
-        with the walk recorded from all the results' nodes."""
+        """Several results in one schedule (``fl.realize(out, *grads)``), as one result is
+        (``realize``), with the walk recorded from all the results' nodes."""
         site = (
             tuple([(node.op, node.site, node.shape, node.dtype) for node in pending]),
             are_deterministic_algorithms_enabled(),
@@ -155,7 +153,7 @@ class Executor:
         arrays += [None] * (plan.slot_count - len(arrays))
         slots = self._run_steps(plan, arrays)  # no dump listening: realize checked
         for node, slot in zip(pending, plan.output_slots):
-            node.buffer = Storage("cuda", node.dtype, array=slots[slot])
+            node.buffer = Storage("cuda", node.dtype, slots[slot])
 
     def _plan_and_record(self, site: tuple, walks: tuple, pending: list[Node]):
         """Walk, plan, and keep the walk for the next graph built at ``site``."""
