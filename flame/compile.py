@@ -212,7 +212,10 @@ class CompiledFunction:
                         exact.append(None)
                         continue
                     storage = node.attr("storage")
-                exact.append((a.backend, node.dtype, node.shape, storage.layout()))
+                layout = storage._layout  # storage.layout(), computed once, read inline
+                if layout is None:
+                    layout = storage.layout()
+                exact.append((a.backend, node.dtype, node.shape, layout))
             else:
                 exact.append(_exact(a))
         if pending:

@@ -31,8 +31,9 @@ _current: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-def are_deterministic_algorithms_enabled() -> bool:
-    return _current.get()
+# ``are_deterministic_algorithms_enabled() -> bool``: the context variable's own getter, with
+# no Python frame around it (lazy realizes and compiled calls ask for it on every call).
+are_deterministic_algorithms_enabled = _current.get
 
 
 class use_deterministic_algorithms:  # noqa: N801 (PyTorch's spelling; used as a function)

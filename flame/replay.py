@@ -17,9 +17,24 @@ from flame.runtime.storage import Storage
 from flame.tensor import Tensor
 
 
-def wrap(storage: Storage, dtype, shape, site) -> Tensor:
-    node = Node("buffer", (), (("storage", storage),), dtype, shape, site)
-    return Tensor(node, storage.backend)
+def wrap(storage: Storage, dtype, shape, site, _new=object.__new__) -> Tensor:
+    """A result of a replay: a tensor over ``storage``. Every call of a compiled function
+    makes one, so ``Node(...)`` and ``Tensor(...)`` are made without their ``__init__``
+    calls, as the fast builders of flame/tensor.py make them (tests/test_host_cost.py checks
+    both against the constructors)."""
+    node = _new(Node)
+    node.op = "buffer"
+    node.inputs = ()
+    node.attrs = (("storage", storage),)
+    node.dtype = dtype
+    node.shape = shape
+    node.site = site
+    node.buffer = node.grad_info = node._hash = None
+    tensor = _new(Tensor)
+    tensor.node = node
+    tensor.backend = storage.backend
+    tensor.grad = None
+    return tensor
 
 
 def bind_arrays(sources: tuple, args) -> list:
@@ -135,7 +150,7 @@ class GraphCache:
             self.info.graph_replays += 1
             results = []
             for index, (slot, dtype, shape, site) in enumerate(outputs):
-                storage = Storage("cuda", dtype, array=slots[slot])
+                storage = Storage("cuda", dtype, slots[slot])
                 lent[index] = weakref.ref(storage)
                 results.append(wrap(storage, dtype, shape, site))
             return results
@@ -213,7 +228,7 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | No
         if values is None:
             slots = executor.run(plan, arrays)
             values = [
-                wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+                wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
                 for slot, dtype, shape, site in outputs
             ]  # fmt: skip
         if single:
@@ -249,7 +264,7 @@ def _one_kernel_replay(plan, launch, sources, output, executor):
         arrays = bind_arrays(sources, args)
         if listening():  # the dump is listening: the executor reports the run
             slots = executor.run(plan, arrays)
-            return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+            return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
         slots = arrays + padding
         last = recycled[0]
         stream = get_current_stream().ptr
@@ -260,6 +275,6 @@ def _one_kernel_replay(plan, launch, sources, output, executor):
             launch.allocate(slots)
             recycled[0], recycled[1] = slots[slot], stream
         launch.launch_into(slots, stream)
-        return wrap(Storage("cuda", dtype, array=slots[slot]), dtype, shape, site)
+        return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
 
     return replay

@@ -364,14 +364,19 @@ def test_recorded_walk_compiles_its_matcher_after_repeated_matches(xy):
 
 
 def test_fast_builders_set_every_slot_as_the_constructors_do(xy):
-    """The operator and ``flame.op`` builders make nodes and tensors without calling
-    ``Node.__init__`` and ``Tensor.__init__``: each slot must hold what those would put there
-    (a slot never set raises AttributeError when read)."""
+    """The operator and ``flame.op`` builders and the replays' ``wrap`` make nodes and tensors
+    without calling ``Node.__init__`` and ``Tensor.__init__``: each slot must hold what those
+    would put there (a slot never set raises AttributeError when read)."""
     from flame.ir.node import Node
     from flame.tensor import Tensor
 
+    from flame.replay import wrap
+    from flame.runtime.storage import Storage
+
     x, y = xy
-    built = [fl.exp(x), x * y, x * 2.0, 2.0 - x, x < y]
+    storage = Storage("reference", fl.float32, host=np.ones(4, dtype=np.float32))
+    replayed = wrap(storage, fl.float32, (4,), ("model.py", 3))  # a compiled call's result
+    built = [fl.exp(x), x * y, x * 2.0, 2.0 - x, x < y, replayed]
     for value in built:
         node = value.node
         expected = Node(node.op, node.inputs, node.attrs, node.dtype, node.shape, node.site)

@@ -25,9 +25,10 @@ import contextvars
 _recorders: contextvars.ContextVar[tuple] = contextvars.ContextVar("flame_recorders", default=())
 
 
-def active() -> tuple:
-    """The recorders installed in this context (empty: nobody is listening)."""
-    return _recorders.get()
+# ``active() -> tuple``: the recorders installed in this context (empty: nobody is
+# listening). The context variable's own getter, with no Python frame around it: every lazy
+# realize and compiled call asks.
+active = _recorders.get
 
 
 def emit(kind: str, **data) -> None:
