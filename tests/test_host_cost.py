@@ -368,10 +368,9 @@ def test_fast_builders_set_every_slot_as_the_constructors_do(xy):
     without calling ``Node.__init__`` and ``Tensor.__init__``: each slot must hold what those
     would put there (a slot never set raises AttributeError when read)."""
     from flame.ir.node import Node
-    from flame.tensor import Tensor
-
     from flame.replay import wrap
     from flame.runtime.storage import Storage
+    from flame.tensor import Tensor
 
     x, y = xy
     storage = Storage("reference", fl.float32, host=np.ones(4, dtype=np.float32))

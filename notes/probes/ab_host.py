@@ -59,12 +59,15 @@ def main() -> None:
     bench_root = os.getcwd()
     rows = {tree: [] for tree in trees}
     for index in range(rounds):
-        order = trees[index % len(trees):] + trees[: index % len(trees)]
+        order = trees[index % len(trees) :] + trees[: index % len(trees)]
         for tree in order:
             environment = dict(os.environ, PYTHONPATH=bench_root)
             done = subprocess.run(
                 [sys.executable, "-c", CHILD, os.path.abspath(tree)],
-                env=environment, capture_output=True, text=True, timeout=300,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
             if done.returncode != 0:
                 print(tree, "failed:", done.stderr[-1500:], file=sys.stderr)
