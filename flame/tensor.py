@@ -14,7 +14,7 @@ import numpy as np
 
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
-from flame.ir.infer import NAN, canonical_float, make_const
+from flame.ir.infer import NAN, make_const
 from flame.ir.node import Node, SiteMark, caller_frame, format_site, frame_site, user_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
@@ -177,12 +177,6 @@ class Tensor:
         return apply("bitwise_not", self)
 
 
-def _caller_site():
-    """``user_site`` for fast_apply's callers (an operator or a ``flame.op`` function, whose
-    caller is usually the user's code): start two frames up."""
-    return frame_site(sys._getframe(3))
-
-
 def _fast_dtypes(op) -> frozenset:
     """The dtypes an op's fast path takes as they are: the op accepts them and its promotion
     keeps them (``int_to_float`` ops take floats only)."""
@@ -302,45 +296,6 @@ def _fast_binary(op_name: str, reflected: bool = False):
         return apply(op_name, x, other)
 
     return function
-
-
-def fast_apply(op_name: str, first, second=None, arity: int = 2):
-    """``apply`` for the common cases (one float/int dtype, equal shapes, or a tensor with a
-    Python number that does not change its dtype), which need no promotion, cast or
-    broadcast. Anything else falls through to ``apply``, which also does the error reporting.
-    Graph building is the host cost of lazy mode, so the operators and ``flame.op`` functions
-    use the specialised builders above (``_fast_unary``, ``_fast_binary``) directly."""
-    op = OPS[op_name]
-    if arity == 1:
-        if type(first) is Tensor:
-            node = first.node
-            dtype = node.dtype
-            if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
-                site = _caller_site()
-                return result(Node(op_name, (node,), (), dtype, node.shape, site), first.backend)
-        return apply(op_name, first)
-    tensor = first if type(first) is Tensor else second
-    other = second if tensor is first else first
-    if type(tensor) is Tensor and op.promotion in ("default", "always_bool", "int_to_float"):
-        node = tensor.node
-        dtype = node.dtype
-        if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float):
-            kind = type(other)
-            other_node = None
-            if kind is Tensor:
-                candidate = other.node
-                if (candidate.dtype is dtype and candidate.shape == node.shape
-                        and other.backend == tensor.backend):  # fmt: skip
-                    other_node = candidate
-            elif (kind is float and dtype.is_float) or (kind is int and dtype.is_float):
-                value = canonical_float(float(other))
-                other_node = Node("const", (), (("value", value),), dtype, (), None)
-            if other_node is not None:
-                site = _caller_site()
-                inputs = (node, other_node) if tensor is first else (other_node, node)
-                out = dtypes.bool_ if op.out_bool else dtype
-                return result(Node(op_name, inputs, (), out, node.shape, site), tensor.backend)
-    return apply(op_name, first, second)
 
 
 for _dunder, _op in (
