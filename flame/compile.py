@@ -212,10 +212,7 @@ class CompiledFunction:
                         exact.append(None)
                         continue
                     storage = node.attr("storage")
-                layout = storage._layout  # storage.layout(), computed once, read inline
-                if layout is None:
-                    layout = storage.layout()
-                exact.append((a.backend, node.dtype, node.shape, layout))
+                exact.append((a.backend, node.dtype, node.shape, storage.layout()))
             else:
                 exact.append(_exact(a))
         if pending:
