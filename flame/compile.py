@@ -36,7 +36,17 @@ from dataclasses import dataclass, field
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import contiguous_strides
-from flame.replay import GraphCache, capturable, fast_replay, flatten, unflatten, wrap
+from flame.replay import (
+    MISS,
+    GraphCache,
+    capturable,
+    direct_key,
+    dispatcher,
+    fast_replay,
+    flatten,
+    unflatten,
+    wrap,
+)
 from flame.runtime import events
 from flame.runtime.storage import Storage, storage_of
 from flame.tensor import Tensor, realize
@@ -100,6 +110,7 @@ class _Program:
     grads: tuple  # (weakref to owner, had a grad at trace time, flat index of the new grad)
     reference_inputs: tuple = ()  # reference backend: (node, source) pairs
     fast: object = None  # the replay of a plain CUDA program: args -> result
+    direct: object = None  # one kernel, one result: the arguments' storages -> result
 
     def guards_hold(self) -> bool:
         for owner_ref, had_grad, _ in self.grads:
@@ -172,6 +183,9 @@ class CompiledFunction:
         self._signature = inspect.signature(fn)
         self._programs: dict[tuple, _Program] = {}  # exact description -> program (fast path)
         self._signatures: dict[tuple, dict] = {}  # generic signature -> {shapes: program}
+        # The dispatch of one-kernel programs (``_dispatcher``): their flat keys -> ``direct``
+        self._direct: dict[tuple, object] = {}
+        self._dispatch = None  # set when the first such program is prepared
         self._lock = threading.Lock()
         self._info = CacheInfo()
         functools.update_wrapper(self, fn)
@@ -196,6 +210,12 @@ class CompiledFunction:
         return entries
 
     def __call__(self, *args, **kwargs):
+        dispatch = self._dispatch
+        if dispatch is not None and not kwargs:
+            result = dispatch(self._direct, args)
+            if result is not MISS:
+                self._info.hits += 1
+                return result
         names = None
         if kwargs:
             args, names = self._bind(args, kwargs)
@@ -291,6 +311,10 @@ class CompiledFunction:
         program = self._build(args, names)
         with self._lock:
             self._programs[exact] = program
+            if program.direct is not None and names is None:
+                self._direct[direct_key(args)] = program.direct
+                if self._dispatch is None:
+                    self._dispatch = dispatcher(len(args))
             self._signatures.setdefault(generic, {})[sizes] = program
             self._info.traces += 1
             if kind == "replan":
@@ -392,9 +416,12 @@ class CompiledFunction:
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
                 graphs = GraphCache(plan, self._info)
-            program.fast = fast_replay(
-                plan, sources, program.out_nodes, program.flat, program.treedef, graphs
-            )
+            program.fast, direct = fast_replay(
+                plan, sources, program.out_nodes, program.flat, program.treedef, graphs,
+                arity=len(placeholders),
+            )  # fmt: skip
+            if all(node is not None for node in placeholders):  # every argument a tensor
+                program.direct = direct
         return program
 
     def _run(self, program: _Program, args):

@@ -8,12 +8,14 @@ to the program's outputs and rebuilt from them.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
+from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
 from flame.runtime import events
-from flame.runtime.storage import Storage
+from flame.runtime.storage import Storage, storage_of
 from flame.tensor import Tensor
 
 
@@ -50,6 +52,56 @@ def bind_arrays(sources: tuple, args) -> list:
         array = storage.array
         arrays.append(array if array is not None else storage.device_array())
     return arrays
+
+
+# --- the dispatch of one-kernel programs ---------------------------------------------------
+
+
+MISS = object()  # the dispatch found no one-kernel program for the call
+
+
+def direct_key(args) -> tuple:
+    """The key of a call whose arguments are all realized tensors, as ``dispatcher``'s
+    generated code spells it: the deterministic-algorithms mode, then per argument its
+    backend, dtype, shape and layout."""
+    key = [are_deterministic_algorithms_enabled()]
+    for a in args:
+        key += (a.backend, a.node.dtype, a.node.shape, storage_of(a.node).layout())
+    return tuple(key)
+
+
+@functools.lru_cache(maxsize=64)
+def dispatcher(arity: int):
+    """``dispatch(direct, args)``: the first thing a compiled function's call does, generated
+    per number of arguments as straight-line Python: when every argument is a realized
+    tensor and ``direct`` (``direct_key`` -> a program's ``direct``) has the call's key,
+    the program's result; else ``MISS`` and the general path runs."""
+    names = [f"a{i}" for i in range(arity)]
+    lines = ["def dispatch(direct, args):", f"    if len(args) != {arity}:", "        return MISS"]
+    if arity:
+        lines.append(f"    {', '.join(names)}, = args")
+    key = ["mode()"]
+    for i in range(arity):
+        lines += [
+            f"    if type(a{i}) is not Tensor:",
+            "        return MISS",
+            f"    n{i} = a{i}.node",
+            f"    s{i} = n{i}.buffer",
+            f"    if s{i} is None:",
+            f"        if n{i}.op != 'buffer':",
+            "            return MISS",
+            f"        s{i} = n{i}.attr('storage')",
+        ]  # fmt: skip
+        key.append(f"a{i}.backend, n{i}.dtype, n{i}.shape, s{i}.layout()")
+    lines += [
+        f"    run = direct.get(({', '.join(key)},))",
+        "    if run is None:",
+        "        return MISS",
+        f"    return run({', '.join(f's{i}' for i in range(arity))})",
+    ]  # fmt: skip
+    namespace = {"MISS": MISS, "Tensor": Tensor, "mode": are_deterministic_algorithms_enabled}
+    exec(compile("\n".join(lines) + "\n", "<flame.compile dispatch>", "exec"), namespace)  # noqa: S102
+    return namespace["dispatch"]
 
 
 # --- results: nested tuples, lists and dicts of tensors -------------------------------------
@@ -202,11 +254,15 @@ class GraphCache:
         return [graph, slots, [None] * len(plan.output_slots), held]
 
 
-def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | None = None):
+def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None):
     """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
     binding arguments, launching, and wrapping the results. ``sources``: per plan input,
     ("arg", position) or ("storage", Storage); ``flat``: per flat result, ("out", index),
-    ("arg", position) or ("fixed", tensor)."""
+    ("arg", position) or ("fixed", tensor).
+
+    Returns ``(replay, direct)``: ``replay(args)``, and for a program of one kernel and one
+    result, ``direct(s0, ..., s{arity-1})`` taking the arguments' storages (None for an
+    argument that is not a tensor), which ``flame.compile``'s dispatch calls; else None."""
     from flame.runtime.executor import default_executor
     from flame.runtime.launch import Launch
 
@@ -217,10 +273,12 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | No
         for node, slot in zip(out_nodes, plan.output_slots)
     )  # fmt: skip
     single = treedef == "tensor" and flat[0][0] == "out"
-    if graphs is None and single and len(plan.launches) == 1:
+    if graphs is None and single and len(plan.launches) == 1 and arity is not None:
         launch = plan.launches[0]
         if isinstance(launch, Launch) and [w for w, _ in launch.writes] == [outputs[0][0]]:
-            return _one_kernel_replay(plan, launch, sources, outputs[0], executor)
+            direct = one_kernel_replay(plan, launch, sources, outputs[0], executor, arity)
+            if direct is not None:
+                return (lambda args: direct(*map(_storage_or_none, args))), direct
 
     def replay(args):
         arrays = bind_arrays(sources, args)
@@ -239,42 +297,109 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs: GraphCache | No
         ]  # fmt: skip
         return unflatten(treedef, iter(results))
 
-    return replay
+    return replay, None
 
 
-def _one_kernel_replay(plan, launch, sources, output, executor):
-    """The commonest small program -- one kernel, one result -- without the general loop.
+def _storage_or_none(value):
+    if isinstance(value, Tensor):
+        node = value.node
+        return node.buffer if node.buffer is not None else node.attr("storage")
+    return None
+
+
+def one_kernel_replay(plan, launch, sources, output, executor, arity: int):
+    """The commonest small program -- one kernel, one result -- as straight-line Python
+    generated for it: ``run(s0, ..., s{arity-1})`` binds the arguments' storages (and the
+    storages the function closed over), launches the kernel with its parameters packed in
+    one call, and wraps the result. None where the launch does not fit that form (a kernel
+    that needs zeroed memory first).
 
     Its result's buffer is recycled: when the caller has dropped the previous call's result
     (nothing but this closure holds its array, checked by reference count) and the stream is
     the same, the kernel writes into that array again instead of asking the pool for a new
     one. Anything that keeps the memory alive -- the tensor, a view, DLPack or the CUDA array
-    interface (they hold the tensor or the array) -- keeps it from being reused."""
+    interface (they hold the tensor or the array) -- keeps it from being reused. Threads
+    calling at once each hold the array they test in a local, so two never both find it free."""
     import sys
 
     from cupy.cuda import get_current_stream
+    from cupy_backends.cuda.api.driver import launchKernel
 
     slot, dtype, shape, site = output
-    padding = [None] * (plan.slot_count - len(sources))
-    recycled = [None, None]  # [array of the last call, its stream's pointer]
-    refcount = sys.getrefcount
-    listening = events.active
+    if launch.zeroed:
+        return None
+    names = {}  # slot -> the local naming its array in the generated code
+    storages = {}  # closed-over storages, by the name the generated code gives them
+    parameters = ", ".join(f"s{i}" for i in range(arity))
+    lines = [
+        f"def run({parameters}):",
+        "    if listening():",
+        f"        return observed({parameters})",
+    ]
+    for index, (is_arg, value) in enumerate(sources):
+        store = f"s{value}" if is_arg else f"c{index}"
+        if not is_arg:
+            storages[store] = value
+        names[index] = f"x{index}"
+        lines += [
+            f"    x{index} = {store}.array",
+            f"    if x{index} is None:",
+            f"        x{index} = {store}.device_array()",
+        ]  # fmt: skip
+    names[slot] = "out"
+    if any(kind != "scalar" and value not in names for kind, value in launch.args):
+        return None
+    # 3 references when free: the list, ``last``, and getrefcount's own argument
+    lines += [
+        "    stream = current_stream().ptr",
+        "    last = recycled[0]",
+        "    if last is not None and refcount(last) == 3 and recycled[1] == stream:",
+        "        out = last",
+        "    else:",
+        "        out = ndarray(out_shape, out_dtype)",
+        "        recycled[0] = out",
+        "        recycled[1] = stream",
+        "    try:",
+        "        block = blocks.pop()",
+        "    except IndexError:",
+        "        block = launch._new_block()",
+        "    try:",
+        f"        pack_into(block[0], 0, {', '.join(launch.param_values(names))})",
+        "        launch_kernel(function, grid, 1, 1, threads, 1, 1, 0, stream, 0, block[1])",
+        "    except Exception as error:",
+        "        launch.relaunch(error, stream, block[1])",
+        "    finally:",
+        "        blocks.append(block)",
+        "    return wrap(Storage('cuda', dtype, out), dtype, shape, site)",
+    ]  # fmt: skip
+    ((_, out_shape, out_dtype),) = launch._allocations
 
-    def replay(args):
-        arrays = bind_arrays(sources, args)
-        if listening():  # the dump is listening: the executor reports the run
-            slots = executor.run(plan, arrays)
-            return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
-        slots = arrays + padding
-        last = recycled[0]
-        stream = get_current_stream().ptr
-        # 3 references when free: the list, ``last``, and getrefcount's own argument
-        if last is not None and refcount(last) == 3 and recycled[1] == stream:
-            slots[slot] = last
-        else:
-            launch.allocate(slots)
-            recycled[0], recycled[1] = slots[slot], stream
-        launch.launch_into(slots, stream)
+    def observed(*given):  # the dump is listening: the executor runs and reports the plan
+        arrays = [
+            (given[value] if is_arg else value).device_array() for is_arg, value in sources
+        ]  # fmt: skip
+        slots = executor.run(plan, arrays)
         return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
 
-    return replay
+    namespace = {
+        **storages,
+        "listening": events.active, "observed": observed,
+        "current_stream": get_current_stream, "refcount": sys.getrefcount,
+        "recycled": [None, None],  # [array of the last call, its stream's pointer]
+        "ndarray": _cupy_ndarray(), "out_shape": out_shape, "out_dtype": out_dtype,
+        "launch": launch, "blocks": launch._blocks, "pack_into": launch._packer.pack_into,
+        "launch_kernel": launchKernel, "function": launch.function.ptr,
+        "grid": launch.grid, "threads": launch.block,
+        "wrap": wrap, "Storage": Storage, "dtype": dtype, "shape": shape, "site": site,
+    }  # fmt: skip
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<flame one-kernel replay>", "exec"), namespace)  # noqa: S102
+    run = namespace["run"]
+    run.source = source  # for the curious and for tests
+    return run
+
+
+def _cupy_ndarray():
+    import cupy
+
+    return cupy.ndarray

@@ -1,14 +1,18 @@
 """A planned kernel launch: the kernel, its grid, and where each parameter comes from.
 
 A plan (executor.py) is a list of these and of library calls. Running one does only what
-changes from call to call: allocate its outputs, write the buffers' addresses into a
-parameter block prepared once, and hand the block to the driver's ``cuLaunchKernel``.
+changes from call to call: allocate its outputs, pack the buffers' addresses (and the
+scalars) into a parameter buffer prepared once, and hand it to the driver's
+``cuLaunchKernel`` as one packed buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``): one
+``struct.pack_into`` call per launch, generated for the launch's parameters, instead of a
+ctypes holder set per parameter.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +20,8 @@ import numpy as np
 from flame.runtime.device import device_info
 
 _CUDA_ERROR_INVALID_CONTEXT = 201  # CUresult: no context current in the calling thread
+# cuLaunchKernel's ``extra`` keys (cuda.h): the packed buffer's address, its size, the end
+_PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 
 
@@ -33,18 +39,28 @@ class Launch:
 
     def __post_init__(self):
         # Prepared for the replay loop: (slot, shape, dtype) per output, and the kernel's
-        # parameter blocks, launched through the driver API directly. A block is one ctypes
-        # holder per parameter (scalars filled in once, buffer addresses at each launch);
-        # a launch takes a block from ``_blocks`` and puts it back after the driver has
-        # copied the parameters, so threads launching the same kernel at once each fill a
-        # block of their own (list.pop and append are atomic) without a lock.
+        # packed parameter buffers. A launch takes a buffer from ``_blocks`` and puts it back
+        # after the driver has copied the parameters, so threads launching the same kernel
+        # at once each fill a buffer of their own (list.pop and append are atomic) without a
+        # lock.
         allocations = tuple(
             (slot, shape, dtype) for (slot, _), (shape, dtype) in zip(self.writes, self.shapes)
         )  # fmt: skip
         setter = object.__setattr__
         setter(self, "_allocations", allocations)
-        setter(self, "_buffer_slots", tuple(v for kind, v in self.args if kind != "scalar"))
+        codes = param_codes(self.args)
+        setter(self, "_packer", struct.Struct(param_format(codes)))
+        setter(self, "_fill", _filler(codes, tuple(int(value) for _, value in self.args)))
         setter(self, "_blocks", [self._new_block()])
+
+    def param_values(self, slot_names) -> list[str]:
+        """Python expressions of the packed parameters, in order, for generated launch code:
+        a buffer parameter's address (``slot_names[slot]`` names the array in that slot), a
+        scalar's value."""
+        return [
+            str(int(value)) if kind == "scalar" else f"{slot_names[value]}.data.ptr"
+            for kind, value in self.args
+        ]
 
     @classmethod
     def plan(cls, lowered, function, slot_of) -> Launch:
@@ -77,20 +93,16 @@ class Launch:
         return cls(spec, function, blocks, spec.block, tuple(arguments), writes, shapes, zeroed)
 
     def _new_block(self) -> tuple:
-        """(holders of the buffer addresses, the parameter array's address, everything the
-        array points to, kept alive with it)."""
-        holders, buffers = [], []
-        for kind, value in self.args:
-            if kind == "scalar":
-                holder = (ctypes.c_int32 if value.dtype.itemsize == 4 else ctypes.c_int64)(
-                    int(value)
-                )
-            else:
-                holder = ctypes.c_void_p(0)
-                buffers.append(holder)
-            holders.append(holder)
-        block = (ctypes.c_void_p * max(1, len(holders)))(*map(ctypes.addressof, holders))
-        return tuple(buffers), ctypes.addressof(block), (holders, block)
+        """(the parameter buffer, the address of the ``extra`` array pointing at it, what
+        that array points to, kept alive with it)."""
+        size = self._packer.size
+        buffer = ctypes.create_string_buffer(max(size, 1))
+        length = ctypes.c_size_t(size)
+        extra = (ctypes.c_void_p * 5)(
+            _PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+            _PARAM_BUFFER_SIZE, ctypes.addressof(length), _PARAM_END,
+        )  # fmt: skip
+        return buffer, ctypes.addressof(extra) if size else 0, (length, extra)
 
     def execute(self, slots: list, stream: int | None = None) -> None:
         ndarray = _ndarray()
@@ -115,24 +127,63 @@ class Launch:
         blocks = self._blocks
         try:
             block = blocks.pop()
-        except IndexError:  # another thread holds every block: make one more
+        except IndexError:  # another thread holds every buffer: make one more
             block = self._new_block()
-        holders, params, _ = block
-        for holder, slot in zip(holders, self._buffer_slots):
-            holder.value = slots[slot].data.ptr
-        arguments = (self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, params, 0)
         try:
-            _launch_kernel(*arguments)
+            self._fill(block[0], slots)
+            _launch_kernel(
+                self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, 0, block[1]
+            )
         except Exception as error:
-            if getattr(error, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
-                raise
-            # A thread whose first CUDA call is this launch (a replay that recycles its
-            # result's memory allocates nothing first): the driver API needs the device's
-            # context current in the thread, which the runtime makes on its first call.
-            _cupy().cuda.runtime.free(0)
-            _launch_kernel(*arguments)
-        finally:  # the driver has copied the parameters: the block is free again
+            self.relaunch(error, stream, block[1])
+        finally:  # the driver has copied the parameters: the buffer is free again
             blocks.append(block)
+
+    def relaunch(self, error: Exception, stream: int, extra: int) -> None:
+        """After a failed launch: launch again if the thread only lacked a current context,
+        else raise ``error``. A thread whose first CUDA call is a launch (a replay that
+        recycles its result's memory allocates nothing first) has no context current for the
+        driver API; the runtime makes the device's context current on its first call."""
+        if getattr(error, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+            raise error
+        _cupy().cuda.runtime.free(0)
+        _launch_kernel(self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, 0, extra)
+
+
+def param_codes(args) -> str:
+    """One ``struct`` code per kernel parameter: ``Q`` a buffer's address, ``i`` / ``q`` an
+    int32 / int64 scalar."""
+    return "".join(
+        ("i" if value.dtype.itemsize == 4 else "q") if kind == "scalar" else "Q"
+        for kind, value in args
+    )
+
+
+def param_format(codes: str) -> str:
+    """The ``struct`` format of packed kernel parameters: each at an offset aligned to its
+    size, as the CUDA ABI lays kernel parameters out."""
+    fmt, offset = "=", 0
+    for code in codes:
+        size = struct.calcsize("=" + code)
+        pad = -offset % size
+        fmt += f"{pad}x{code}" if pad else code
+        offset += pad + size
+    return fmt
+
+
+@functools.lru_cache(maxsize=4096)
+def _filler(codes: str, values: tuple):
+    """``fill(buffer, slots)``: packs parameters of the kinds ``codes`` lists, ``values``
+    holding per parameter a slot (buffers) or an int (scalars), with the arrays in
+    ``slots``: one ``pack_into`` call, generated once per parameter list."""
+    listed = ", ".join(
+        f"slots[{value}].data.ptr" if code == "Q" else str(value)
+        for code, value in zip(codes, values)
+    )
+    source = f"def fill(buffer, slots):\n    pack_into(buffer, 0{', ' if listed else ''}{listed})\n"
+    namespace = {"pack_into": struct.Struct(param_format(codes)).pack_into}
+    exec(compile(source, "<flame launch parameters>", "exec"), namespace)  # noqa: S102
+    return namespace["fill"]
 
 
 @functools.lru_cache(maxsize=1)
