@@ -264,7 +264,6 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None
     result, ``direct(s0, ..., s{arity-1})`` taking the arguments' storages (None for an
     argument that is not a tensor), which ``flame.compile``'s dispatch calls; else None."""
     from flame.runtime.executor import default_executor
-    from flame.runtime.launch import Launch
 
     executor = default_executor()
     sources = tuple((kind == "arg", value) for kind, value in sources)
@@ -273,12 +272,10 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None
         for node, slot in zip(out_nodes, plan.output_slots)
     )  # fmt: skip
     single = treedef == "tensor" and flat[0][0] == "out"
-    if graphs is None and single and len(plan.launches) == 1 and arity is not None:
-        launch = plan.launches[0]
-        if isinstance(launch, Launch) and [w for w, _ in launch.writes] == [outputs[0][0]]:
-            direct = one_kernel_replay(plan, launch, sources, outputs[0], executor, arity)
-            if direct is not None:
-                return (lambda args: direct(*map(_storage_or_none, args))), direct
+    if graphs is None and single and arity is not None:
+        direct = one_kernel_replay(plan, sources, outputs[0], executor, arity)
+        if direct is not None:
+            return (lambda args: direct(*map(_storage_or_none, args))), direct
 
     def replay(args):
         arrays = bind_arrays(sources, args)
@@ -307,72 +304,25 @@ def _storage_or_none(value):
     return None
 
 
-def one_kernel_replay(plan, launch, sources, output, executor, arity: int):
-    """The commonest small program -- one kernel, one result -- as straight-line Python
-    generated for it: ``run(s0, ..., s{arity-1})`` binds the arguments' storages (and the
-    storages the function closed over), launches the kernel with its parameters packed in
-    one call, and wraps the result. None where the launch does not fit that form (a kernel
-    that needs zeroed memory first).
-
-    Its result's buffer is recycled: when the caller has dropped the previous call's result
-    (nothing but this closure holds its array, checked by reference count) and the stream is
-    the same, the kernel writes into that array again instead of asking the pool for a new
-    one. Anything that keeps the memory alive -- the tensor, a view, DLPack or the CUDA array
-    interface (they hold the tensor or the array) -- keeps it from being reused. Threads
-    calling at once each hold the array they test in a local, so two never both find it free."""
-    import sys
-
-    from cupy.cuda import get_current_stream
-    from cupy_backends.cuda.api.driver import launchKernel
+def one_kernel_replay(plan, sources, output, executor, arity: int):
+    """The commonest small program -- one kernel, one result -- as a generated runner
+    (flame/runtime/direct.py): ``run(s0, ..., s{arity-1})`` binds the arguments' storages
+    (and the storages the function closed over), launches the kernel, and wraps the result,
+    whose buffer it recycles once the caller has dropped the previous one. None where the
+    plan does not fit that form."""
+    from flame.runtime.direct import one_kernel_runner
 
     slot, dtype, shape, site = output
-    if launch.zeroed:
-        return None
-    names = {}  # slot -> the local naming its array in the generated code
-    storages = {}  # closed-over storages, by the name the generated code gives them
     parameters = ", ".join(f"s{i}" for i in range(arity))
-    lines = [
-        f"def run({parameters}):",
-        "    if listening():",
-        f"        return observed({parameters})",
-    ]
+    header = [f"def run({parameters}):"]
+    header += ["    if listening():", f"        return observed({parameters})"]
+    storages, closed = [], {}
     for index, (is_arg, value) in enumerate(sources):
-        store = f"s{value}" if is_arg else f"c{index}"
-        if not is_arg:
-            storages[store] = value
-        names[index] = f"x{index}"
-        lines += [
-            f"    x{index} = {store}.array",
-            f"    if x{index} is None:",
-            f"        x{index} = {store}.device_array()",
-        ]  # fmt: skip
-    names[slot] = "out"
-    if any(kind != "scalar" and value not in names for kind, value in launch.args):
-        return None
-    # 3 references when free: the list, ``last``, and getrefcount's own argument
-    lines += [
-        "    stream = current_stream().ptr",
-        "    last = recycled[0]",
-        "    if last is not None and refcount(last) == 3 and recycled[1] == stream:",
-        "        out = last",
-        "    else:",
-        "        out = ndarray(out_shape, out_dtype)",
-        "        recycled[0] = out",
-        "        recycled[1] = stream",
-        "    try:",
-        "        block = blocks.pop()",
-        "    except IndexError:",
-        "        block = launch._new_block()",
-        "    try:",
-        f"        pack_into(block[0], 0, {', '.join(launch.param_values(names))})",
-        "        launch_kernel(function, grid, 1, 1, threads, 1, 1, 0, stream, 0, block[1])",
-        "    except Exception as error:",
-        "        launch.relaunch(error, stream, block[1])",
-        "    finally:",
-        "        blocks.append(block)",
-        "    return wrap(Storage('cuda', dtype, out), dtype, shape, site)",
-    ]  # fmt: skip
-    ((_, out_shape, out_dtype),) = launch._allocations
+        if is_arg:
+            storages.append(f"s{value}")
+        else:
+            closed[f"c{index}"] = value
+            storages.append(f"c{index}")
 
     def observed(*given):  # the dump is listening: the executor runs and reports the plan
         arrays = [
@@ -382,24 +332,8 @@ def one_kernel_replay(plan, launch, sources, output, executor, arity: int):
         return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
 
     namespace = {
-        **storages,
-        "listening": events.active, "observed": observed,
-        "current_stream": get_current_stream, "refcount": sys.getrefcount,
-        "recycled": [None, None],  # [array of the last call, its stream's pointer]
-        "ndarray": _cupy_ndarray(), "out_shape": out_shape, "out_dtype": out_dtype,
-        "launch": launch, "blocks": launch._blocks, "pack_into": launch._packer.pack_into,
-        "launch_kernel": launchKernel, "function": launch.function.ptr,
-        "grid": launch.grid, "threads": launch.block,
+        **closed, "listening": events.active, "observed": observed,
         "wrap": wrap, "Storage": Storage, "dtype": dtype, "shape": shape, "site": site,
     }  # fmt: skip
-    source = "\n".join(lines) + "\n"
-    exec(compile(source, "<flame one-kernel replay>", "exec"), namespace)  # noqa: S102
-    run = namespace["run"]
-    run.source = source  # for the curious and for tests
-    return run
-
-
-def _cupy_ndarray():
-    import cupy
-
-    return cupy.ndarray
+    finish = ["    return wrap(Storage('cuda', dtype, out), dtype, shape, site)"]
+    return one_kernel_runner(plan, header, storages, finish, namespace)

@@ -61,3 +61,100 @@ def test_exported_memory_is_not_reused():
     step(*_inputs(0.3))
     np.testing.assert_allclose(through_interface.get(), _expected(0.1), rtol=1e-5)
     np.testing.assert_allclose(capsule_view.get(), _expected(0.2), rtol=1e-5)
+
+
+# --- lazy mode: a one-kernel plan's runner recycles small results the same way -------------
+
+
+def _lazy(x):
+    return ((x * 2 + 1).exp() - 1).realize()  # one line: its recorded walk matches next time
+
+
+def _lazy_expected(values: np.ndarray) -> np.ndarray:
+    return np.exp(values * 2 + 1) - 1
+
+
+class _CountingAllocator:
+    """Counts the device allocations made while it is CuPy's allocator (the pool's own reuse
+    of a freed block would give the same address, so addresses alone prove nothing)."""
+
+    def __init__(self):
+        import cupy
+
+        self.pool, self.calls = cupy.get_default_memory_pool(), 0
+
+    def __call__(self, size: int):
+        self.calls += 1
+        return self.pool.malloc(size)
+
+
+def _allocations_of(calls) -> int:
+    cupy = pytest.importorskip("cupy")
+    counter = _CountingAllocator()
+    with cupy.cuda.using_allocator(counter):
+        calls()
+    return counter.calls
+
+
+def test_compiled_dropped_results_allocate_nothing():
+    step = _program()
+    x, y = _inputs(0.5)
+    for _ in range(3):
+        step(x, y)
+
+    def calls():
+        for _ in range(5):
+            out = step(x, y)
+            np.testing.assert_allclose(out.numpy(), _expected(0.5), rtol=1e-5)
+            del out
+
+    assert _allocations_of(calls) == 0
+
+
+def test_lazy_dropped_results_recycle_and_stay_right():
+    values = np.linspace(-1, 1, 1000, dtype=np.float32)
+    x = fl.tensor(values).realize()
+    for _ in range(3):  # plans, then matches the walk and makes the runner
+        _lazy(x)
+
+    def calls():
+        for _ in range(5):
+            out = _lazy(x)
+            np.testing.assert_allclose(out.numpy(), _lazy_expected(values), rtol=1e-5, atol=1e-6)
+            del out
+
+    assert _allocations_of(calls) == 0
+
+
+def test_lazy_results_held_by_graphs_views_or_exports_keep_their_values():
+    cupy = pytest.importorskip("cupy")
+    inputs = [fl.tensor(np.full(1000, v, dtype=np.float32)).realize() for v in (0.1, 0.2, 0.3)]
+    for x in inputs:  # past the walk's first matches: the runner runs
+        _lazy(x)
+    first = _lazy(inputs[0])
+    pending = first + 100  # a lazy graph reading the result: holds its node
+    del first
+    second = _lazy(inputs[1])
+    exported = cupy.from_dlpack(second)  # DLPack: holds the array
+    del second
+    third = _lazy(inputs[2])
+    np.testing.assert_allclose(pending.numpy(), _lazy_expected(np.float32(0.1)) + 100, rtol=1e-5)
+    np.testing.assert_allclose(exported.get(), _lazy_expected(np.float32(0.2)), rtol=1e-5)
+    np.testing.assert_allclose(third.numpy(), _lazy_expected(np.float32(0.3)), rtol=1e-5)
+
+
+def test_lazy_results_above_the_bound_get_new_buffers():
+    from flame.runtime.executor import RECYCLE_BYTES
+
+    values = np.linspace(-1, 1, RECYCLE_BYTES // 4 + 1024, dtype=np.float32)  # just over
+    x = fl.tensor(values).realize()
+    for _ in range(3):
+        _lazy(x)
+
+    def calls():
+        for _ in range(4):
+            out = _lazy(x)
+            np.testing.assert_allclose(out.numpy(), _lazy_expected(values), rtol=1e-5, atol=1e-6)
+            del out
+
+    assert _allocations_of(calls) == 4  # every result a buffer of its own

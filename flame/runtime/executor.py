@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
@@ -30,6 +30,9 @@ from flame.runtime.walks import RecordedWalk, linearize, record_walk
 PLAN_CACHE_SIZE = 512
 WALK_SITES = 256  # lines of user code whose last graphs' walks are kept (lazy mode)
 WALKS_PER_SITE = 4
+# lazy results up to this size recycle a dropped result's buffer (one kept per plan, at most
+# PLAN_CACHE_SIZE of them: 32 MiB); above it, the kernel's own time hides the allocation
+RECYCLE_BYTES = 64 * 1024
 
 
 # Library routines known to run inside a CUDA-graph capture: device work only, no host
@@ -82,6 +85,20 @@ class Plan:
     releases: tuple[tuple[int, ...], ...] = ()
     planned_peak_bytes: int = 0
     inputs: tuple[Node, ...] = ()  # the graph's input stand-ins, in slot order
+    # lazy mode's straight-line runner of a one-kernel plan (``lazy_runner``): made at the
+    # plan's first recorded-walk match; None for plans it does not fit
+    runner: object = field(default=False, compare=False, repr=False)
+
+    def lazy_runner(self):
+        """``run(inputs, node)``: the plan run over the nodes ``inputs`` (a recorded walk's
+        match), its result memoized on ``node``, as generated code (flame/runtime/direct.py;
+        results up to ``RECYCLE_BYTES`` recycle their buffer); None where the plan is not
+        one kernel writing one result."""
+        runner = self.runner
+        if runner is False:
+            runner = _lazy_runner(self)
+            object.__setattr__(self, "runner", runner)  # two threads racing make two
+        return runner
 
 
 class Executor:
@@ -146,6 +163,12 @@ class Executor:
             if inputs is not None:
                 plan = walk.plan
                 self.plan_hits += 1
+                runner = plan.runner
+                if runner is False:
+                    runner = plan.lazy_runner()
+                if runner is not None and len(pending) == 1:
+                    runner(inputs, pending[0])
+                    return
                 break
         if plan is None:
             plan, inputs = self._plan_and_record(site, walks, pending)
@@ -330,6 +353,24 @@ def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
         peak = max(peak, live)
         live -= sum(size_of.get(slot, 0) for slot in releases[index])
     return tuple(tuple(sorted(slots)) for slots in releases), peak
+
+
+def _lazy_runner(plan: Plan):
+    from flame.runtime.direct import one_kernel_runner
+
+    count = len(plan.inputs)
+    header = ["def run(inputs, node):"]
+    if count:
+        header.append(f"    {''.join(f'i{k}, ' for k in range(count))}= inputs")
+    for k in range(count):
+        header += [
+            f"    s{k} = i{k}.buffer",
+            f"    if s{k} is None:",
+            f"        s{k} = i{k}.attr('storage')",
+        ]  # fmt: skip
+    finish = ["    node.buffer = Storage('cuda', node.dtype, out)"]
+    storages = [f"s{k}" for k in range(count)]
+    return one_kernel_runner(plan, header, storages, finish, {"Storage": Storage}, RECYCLE_BYTES)
 
 
 def _arrays_of(inputs: list[Node]) -> list:
