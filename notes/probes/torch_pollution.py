@@ -7,33 +7,18 @@ pure-Python probe) with torch imported, then compiles and calls tiny20 with torc
 and times them all again, in 3 rounds each side, interleaved with the probe.
 """
 
-import time
-
 import cupy
 import torch
+from probe_common import best_us
 
 import flame as fl
 from bench import expressions
 from bench.timing import python_probe_us, wait_for_quiet_host
 
 
-def best_us(function, calls=2000, runs=5):
-    for _ in range(100):
-        function()
-    cupy.cuda.get_current_stream().synchronize()
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        cupy.cuda.get_current_stream().synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
-
-
 def rounds(label, calls):
     for index in range(3):
-        row = {name: round(best_us(call), 2) for name, call in calls.items()}
+        row = {name: round(best_us(call, calls=2000), 2) for name, call in calls.items()}
         row["probe"] = round(python_probe_us(), 2)
         print(label, index, row, flush=True)
 
