@@ -210,8 +210,9 @@ class CompiledFunction:
         return entries
 
     def __call__(self, *args, **kwargs):
+        tracing = _tracing.get()
         dispatch = self._dispatch
-        if dispatch is not None and not kwargs:
+        if dispatch is not None and not kwargs and tracing is None:
             result = dispatch(self._direct, args)
             if result is not MISS:
                 self._info.hits += 1
@@ -219,6 +220,10 @@ class CompiledFunction:
         names = None
         if kwargs:
             args, names = self._bind(args, kwargs)
+        if tracing is not None:
+            # Called inside another compiled function's trace: traced through, its ops part
+            # of that program (a replay here would bake this call's result in as a constant)
+            return self._call(args, names)
         mode = are_deterministic_algorithms_enabled()  # plans differ (flame/determinism.py)
         exact = [(names, mode)]
         pending = None

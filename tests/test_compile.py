@@ -82,3 +82,20 @@ def test_deterministic_mode_is_part_of_the_signature(reference_backend):
     info = compiled.cache_info()
     assert info.traces == 2 and info.hits == 2
     assert info.reasons[-1] == "miss: deterministic algorithms on (a new plan)"
+
+
+def test_a_compiled_function_called_inside_another_is_traced_through(reference_backend):
+    inner = fl.compile(lambda x: x * 2)
+
+    @fl.compile
+    def outer(x, y):
+        return inner(x) + inner(x * y) + 1
+
+    for value in (1.0, 5.0, -3.0):
+        x = fl.tensor(np.full(4, value, np.float32)).realize()
+        y = fl.tensor(np.arange(4, dtype=np.float32)).realize()
+        expected = value * 2 + value * np.arange(4) * 2 + 1
+        np.testing.assert_allclose(outer(x, y).numpy(), expected)
+    assert outer.cache_info().traces == 1 and outer.cache_info().hits == 2
+    assert inner.cache_info().traces == 0  # never replayed on its own: part of outer's program
+    np.testing.assert_allclose(inner(x).numpy(), np.full(4, -6.0))  # and alone it still works
