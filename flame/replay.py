@@ -254,11 +254,12 @@ class GraphCache:
         return [graph, slots, [None] * len(plan.output_slots), held]
 
 
-def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None):
+def fast_replay(plan, sources, out_nodes, flat, treedef, graphs, arity: int):
     """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
     binding arguments, launching, and wrapping the results. ``sources``: per plan input,
     ("arg", position) or ("storage", Storage); ``flat``: per flat result, ("out", index),
-    ("arg", position) or ("fixed", tensor).
+    ("arg", position) or ("fixed", tensor); ``graphs``: the program's CUDA graphs, or None;
+    ``arity``: the function's number of arguments.
 
     Returns ``(replay, direct)``: ``replay(args)``, and for a program of one kernel and one
     result, ``direct(s0, ..., s{arity-1})`` taking the arguments' storages (None for an
@@ -272,7 +273,7 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None
         for node, slot in zip(out_nodes, plan.output_slots)
     )  # fmt: skip
     single = treedef == "tensor" and flat[0][0] == "out"
-    if graphs is None and single and arity is not None:
+    if graphs is None and single:
         direct = one_kernel_replay(plan, sources, outputs[0], executor, arity)
         if direct is not None:
             return (lambda args: direct(*map(_storage_or_none, args))), direct
@@ -298,10 +299,7 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs=None, arity=None
 
 
 def _storage_or_none(value):
-    if isinstance(value, Tensor):
-        node = value.node
-        return node.buffer if node.buffer is not None else node.attr("storage")
-    return None
+    return storage_of(value.node) if isinstance(value, Tensor) else None
 
 
 def one_kernel_replay(plan, sources, output, executor, arity: int):

@@ -135,3 +135,78 @@ def test_direct_path_reads_closed_over_storage_and_reports_to_the_dump(cuda_back
     with events.recording(lambda kind, data: seen.append(kind)):
         np.testing.assert_allclose(scale(x).numpy(), np.arange(512) * 3.0)
     assert "run" in seen  # the executor ran the plan and said so
+
+
+def _launch_for_test():
+    from flame.runtime.launch import Launch
+
+    args = (("out", 2), ("in", 0), ("in", 1), _scalar(7, np.int32))
+    function = SimpleNamespace(ptr=0xF00)
+    return Launch(None, function, 3, 128, args, ((2, 0),), (((4,), np.float32),))
+
+
+def _recorder(calls: list):
+    import ctypes
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        # what the driver would read: the packed buffer the ``extra`` array points at
+        pointers = (ctypes.c_void_p * 5).from_address(extra)
+        size = ctypes.c_size_t.from_address(pointers[3]).value
+        packed = ctypes.string_at(pointers[1], size)
+        calls.append((function, gx, bx, stream, params, packed))
+
+    return launch_kernel
+
+
+def test_generated_and_plain_launches_pack_the_same_parameters(monkeypatch):
+    import flame.runtime.launch as launch_module
+
+    launch = _launch_for_test()
+    arrays = [SimpleNamespace(data=SimpleNamespace(ptr=0x1000 * (i + 1))) for i in range(3)]
+    plain, generated = [], []
+    monkeypatch.setattr(launch_module, "_launch_kernel", _recorder(plain))
+    launch.launch_into(list(arrays), stream=5)
+    lines, names = launch.launch_source({0: "a", 1: "b", 2: "c"})
+    names["launch_kernel"] = _recorder(generated)
+    scope = dict(names)
+    exec("def run(a, b, c, stream):\n" + "\n".join(lines) + "\n", scope)  # noqa: S102
+    scope["run"](*arrays, 5)
+    expected = struct.pack("=QQQi", 0x3000, 0x1000, 0x2000, 7)
+    assert plain == generated == [(0xF00, 3, 128, 5, 0, expected)]
+    assert len(launch._blocks) == 1  # the buffer went back to the pool after each launch
+
+
+def test_a_generated_launch_raises_other_driver_errors_and_keeps_its_buffer():
+    launch = _launch_for_test()
+    lines, names = launch.launch_source({0: "a", 1: "b", 2: "c"})
+
+    def failing(*arguments):
+        raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED")
+
+    names["launch_kernel"] = failing
+    scope = dict(names)
+    exec("def run(a, b, c, stream):\n" + "\n".join(lines) + "\n", scope)  # noqa: S102
+    arrays = [SimpleNamespace(data=SimpleNamespace(ptr=0x1000)) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="LAUNCH_FAILED"):
+        scope["run"](*arrays, 0)
+    assert len(launch._blocks) == 1
+    assert launch.launch_source({0: "a", 1: "b"}) is None  # a slot it cannot name: no source
+
+
+@pytest.mark.parametrize(("bound", "recycles"), [(None, True), (16, True), (15, False)])
+def test_one_kernel_runners_are_generated_with_recycling_up_to_the_bound(bound, recycles):
+    pytest.importorskip("cupy")
+    from flame.runtime.direct import one_kernel_runner
+
+    launch = _launch_for_test()  # one [4] float32 result: 16 bytes
+    plan = SimpleNamespace(launches=(launch,), output_slots=(2,))
+    header = ["def run(s0, s1):"]
+    run = one_kernel_runner(plan, header, ["s0", "s1"], ["    return out"], {}, bound)
+    compile(run.source, "<check>", "exec")
+    assert ("recycled[0]" in run.source) is recycles
+    assert "launch_pack(block[0], 0, out.data.ptr, x0.data.ptr, x1.data.ptr, 7)" in run.source
+    # a plan of two launches, or whose launch writes another slot, gets no runner
+    assert one_kernel_runner(SimpleNamespace(launches=(launch, launch), output_slots=(2,)),
+                             header, ["s0", "s1"], [], {}) is None  # fmt: skip
+    assert one_kernel_runner(SimpleNamespace(launches=(launch,), output_slots=(1,)),
+                             header, ["s0", "s1"], [], {}) is None  # fmt: skip

@@ -19,6 +19,7 @@ free. ``recycle_bytes`` bounds the buffers a runner keeps this way.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -34,23 +35,21 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
     kernel writing one result."""
     from cupy import ndarray
     from cupy.cuda import get_current_stream
-    from cupy_backends.cuda.api.driver import launchKernel
 
     from flame.runtime.launch import Launch
 
     if len(plan.launches) != 1 or len(plan.output_slots) != 1:
         return None
     launch = plan.launches[0]
-    if not isinstance(launch, Launch) or launch.zeroed:
-        return None
     (out_slot,) = plan.output_slots
-    if [slot for slot, _ in launch.writes] != [out_slot]:
+    if not isinstance(launch, Launch) or [slot for slot, _ in launch.writes] != [out_slot]:
         return None
-    ((_, out_shape, out_dtype),) = launch._allocations
     names = {slot: f"x{slot}" for slot in range(len(storages))}
     names[out_slot] = "out"
-    if any(kind != "scalar" and value not in names for kind, value in launch.args):
-        return None  # reads a slot that is neither an input nor the result
+    launching = launch.launch_source(names)
+    if launching is None:
+        return None
+    ((out_shape, out_dtype),) = launch.shapes
     lines = list(header)
     for slot, storage in enumerate(storages):
         lines += [
@@ -59,9 +58,7 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
             f"        x{slot} = {storage}.device_array()",
         ]  # fmt: skip
     lines.append("    stream = current_stream().ptr")
-    nbytes = np.dtype(out_dtype).itemsize
-    for size in out_shape:
-        nbytes *= size
+    nbytes = np.dtype(out_dtype).itemsize * math.prod(out_shape)
     if recycle_bytes is None or nbytes <= recycle_bytes:
         # 3 references when free: the list, ``last``, and getrefcount's own argument
         lines += [
@@ -75,28 +72,13 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
         ]  # fmt: skip
     else:
         lines.append("    out = ndarray(out_shape, out_dtype)")
-    lines += [
-        "    try:",
-        "        block = blocks.pop()",
-        "    except IndexError:",
-        "        block = launch._new_block()",
-        "    try:",
-        f"        pack_into(block[0], 0, {', '.join(launch.param_values(names))})",
-        "        launch_kernel(function, grid, 1, 1, threads, 1, 1, 0, stream, 0, block[1])",
-        "    except Exception as error:",
-        "        launch.relaunch(error, stream, block[1])",
-        "    finally:",
-        "        blocks.append(block)",
-        *finish,
-    ]  # fmt: skip
+    launch_lines, launch_names = launching
+    lines += [*launch_lines, *finish]
     scope = {
-        **namespace,
+        **namespace, **launch_names,
         "current_stream": get_current_stream, "refcount": sys.getrefcount,
         "recycled": [None, None],  # [array of the last run, its stream's pointer]
         "ndarray": ndarray, "out_shape": out_shape, "out_dtype": out_dtype,
-        "launch": launch, "blocks": launch._blocks, "pack_into": launch._packer.pack_into,
-        "launch_kernel": launchKernel, "function": launch.function.ptr,
-        "grid": launch.grid, "threads": launch.block,
     }  # fmt: skip
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<flame one-kernel runner>", "exec"), scope)  # noqa: S102

@@ -85,20 +85,9 @@ class Plan:
     releases: tuple[tuple[int, ...], ...] = ()
     planned_peak_bytes: int = 0
     inputs: tuple[Node, ...] = ()  # the graph's input stand-ins, in slot order
-    # lazy mode's straight-line runner of a one-kernel plan (``lazy_runner``): made at the
-    # plan's first recorded-walk match; None for plans it does not fit
+    # lazy mode's straight-line runner of a one-kernel plan (``_lazy_runner``): False until
+    # the plan's first recorded-walk match makes it; None for plans it does not fit
     runner: object = field(default=False, compare=False, repr=False)
-
-    def lazy_runner(self):
-        """``run(inputs, node)``: the plan run over the nodes ``inputs`` (a recorded walk's
-        match), its result memoized on ``node``, as generated code (flame/runtime/direct.py;
-        results up to ``RECYCLE_BYTES`` recycle their buffer); None where the plan is not
-        one kernel writing one result."""
-        runner = self.runner
-        if runner is False:
-            runner = _lazy_runner(self)
-            object.__setattr__(self, "runner", runner)  # two threads racing make two
-        return runner
 
 
 class Executor:
@@ -165,7 +154,7 @@ class Executor:
                 self.plan_hits += 1
                 runner = plan.runner
                 if runner is False:
-                    runner = plan.lazy_runner()
+                    runner = _lazy_runner(plan)
                 if runner is not None and len(pending) == 1:
                     runner(inputs, pending[0])
                     return
@@ -356,6 +345,10 @@ def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
 
 
 def _lazy_runner(plan: Plan):
+    """Makes and keeps ``plan.runner``: ``run(inputs, node)``, the plan run over the nodes
+    ``inputs`` (a recorded walk's match), its result memoized on ``node``, as generated code
+    (flame/runtime/direct.py; results up to ``RECYCLE_BYTES`` recycle their buffer); None
+    where the plan is not one kernel writing one result. Two threads racing make two."""
     from flame.runtime.direct import one_kernel_runner
 
     count = len(plan.inputs)
@@ -370,7 +363,9 @@ def _lazy_runner(plan: Plan):
         ]  # fmt: skip
     finish = ["    node.buffer = Storage('cuda', node.dtype, out)"]
     storages = [f"s{k}" for k in range(count)]
-    return one_kernel_runner(plan, header, storages, finish, {"Storage": Storage}, RECYCLE_BYTES)
+    runner = one_kernel_runner(plan, header, storages, finish, {"Storage": Storage}, RECYCLE_BYTES)
+    object.__setattr__(plan, "runner", runner)
+    return runner
 
 
 def _arrays_of(inputs: list[Node]) -> list:

@@ -49,18 +49,43 @@ class Launch:
         setter = object.__setattr__
         setter(self, "_allocations", allocations)
         codes = param_codes(self.args)
+        values = tuple(int(value) for _, value in self.args)  # slots and scalars
+        setter(self, "_params", (codes, values))
         setter(self, "_packer", struct.Struct(param_format(codes)))
-        setter(self, "_fill", _filler(codes, tuple(int(value) for _, value in self.args)))
+        setter(self, "_fill", _filler(codes, values))
         setter(self, "_blocks", [self._new_block()])
 
-    def param_values(self, slot_names) -> list[str]:
-        """Python expressions of the packed parameters, in order, for generated launch code:
-        a buffer parameter's address (``slot_names[slot]`` names the array in that slot), a
-        scalar's value."""
-        return [
-            str(int(value)) if kind == "scalar" else f"{slot_names[value]}.data.ptr"
-            for kind, value in self.args
-        ]
+    def launch_source(self, slot_names: dict) -> tuple[list[str], dict] | None:
+        """``launch_into`` as lines of a generated function's body, and the names they use:
+        the arrays are the locals ``slot_names`` names per slot, ``stream`` the local holding
+        the stream's pointer. For the straight-line runners of flame/runtime/direct.py. None
+        for a launch that reads a slot ``slot_names`` lacks or needs zeroed memory first."""
+        codes, values = self._params
+        if self.zeroed or any(c == "Q" and v not in slot_names for c, v in zip(codes, values)):
+            return None
+        lines = [
+            "    try:",
+            "        block = launch_blocks.pop()",
+            "    except IndexError:",
+            "        block = the_launch._new_block()",
+            "    try:",
+            f"        launch_pack(block[0], 0, {_param_list(codes, values, slot_names.get)})",
+            "        launch_kernel(launch_function, launch_grid, 1, 1, launch_threads, 1, 1, 0,",
+            "                      stream, 0, block[1])",
+            "    except Exception as error:",
+            "        the_launch.relaunch(error, stream, block[1])",
+            "    finally:  # the driver has copied the parameters: the buffer is free again",
+            "        launch_blocks.append(block)",
+        ]  # fmt: skip
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        names = {
+            "the_launch": self, "launch_blocks": self._blocks,
+            "launch_pack": self._packer.pack_into, "launch_kernel": launchKernel,
+            "launch_function": self.function.ptr, "launch_grid": self.grid,
+            "launch_threads": self.block,
+        }  # fmt: skip
+        return lines, names
 
     @classmethod
     def plan(cls, lowered, function, slot_of) -> Launch:
@@ -171,16 +196,22 @@ def param_format(codes: str) -> str:
     return fmt
 
 
+def _param_list(codes: str, values: tuple, name_of) -> str:
+    """The packed parameters as Python expressions: a buffer's address (``name_of(slot)``
+    names the array in the slot), a scalar's value."""
+    return ", ".join(
+        f"{name_of(value)}.data.ptr" if code == "Q" else str(value)
+        for code, value in zip(codes, values)
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def _filler(codes: str, values: tuple):
     """``fill(buffer, slots)``: packs parameters of the kinds ``codes`` lists, ``values``
     holding per parameter a slot (buffers) or an int (scalars), with the arrays in
     ``slots``: one ``pack_into`` call, generated once per parameter list."""
-    listed = ", ".join(
-        f"slots[{value}].data.ptr" if code == "Q" else str(value)
-        for code, value in zip(codes, values)
-    )
-    source = f"def fill(buffer, slots):\n    pack_into(buffer, 0{', ' if listed else ''}{listed})\n"
+    listed = _param_list(codes, values, "slots[{}]".format)
+    source = f"def fill(buffer, slots):\n    pack_into(buffer, 0, {listed})\n"
     namespace = {"pack_into": struct.Struct(param_format(codes)).pack_into}
     exec(compile(source, "<flame launch parameters>", "exec"), namespace)  # noqa: S102
     return namespace["fill"]
