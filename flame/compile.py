@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node, format_site, user_site
-from flame.ir.shapes import contiguous_strides
 from flame.replay import (
     MISS,
     GraphCache,
@@ -49,6 +48,7 @@ from flame.replay import (
 )
 from flame.runtime import events
 from flame.runtime.storage import Storage, storage_of
+from flame.signatures import exact_entry, generic_entry, miss_reason, shown
 from flame.tensor import Tensor, realize
 
 _tracing: contextvars.ContextVar[object] = contextvars.ContextVar("flame_tracing", default=None)
@@ -135,46 +135,6 @@ def _storage(tensor: Tensor):
     return storage_of(tensor.node)
 
 
-def _exact(value):
-    """An argument's exact description (a tensor's backend, dtype, shape and layout; another
-    value's type and value): the fast path's key."""
-    if isinstance(value, Tensor):
-        return (value.backend, value.dtype, value.node.shape, _storage(value).layout())
-    if isinstance(value, list):
-        return (list, tuple(value))
-    return (type(value), value)
-
-
-def _generic(value):
-    """What changes the code: see the module's docstring."""
-    if isinstance(value, Tensor):
-        shape = value.node.shape
-        strides, aligned = _storage(value).layout()
-        contiguous = tuple(strides) == tuple(contiguous_strides(shape)) and aligned
-        layout = "contiguous" if contiguous else (tuple(strides), aligned)
-        ones = tuple(size == 1 for size in shape)
-        return ("tensor", value.backend, value.dtype.name, len(shape), ones, layout)
-    if isinstance(value, (int, float, bool, str, type(None))):
-        return ("static", type(value).__name__, value)
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(item, (int, float, bool, str, type(None))) for item in value
-    ):
-        return ("static", type(value).__name__, tuple(value))
-    raise TypeError(
-        f"flame.compile: arguments must be tensors or Python numbers, strings or tuples of "
-        f"them, got {type(value).__name__}"
-    )
-
-
-def _shown(entry) -> str:
-    if entry[0] == "tensor":
-        _, backend, dtype, rank, ones, layout = entry
-        pattern = "".join("1" if one else "n" for one in ones)
-        where = "" if layout == "contiguous" else f", strides {layout[0]}"
-        return f"{dtype} rank {rank} [{pattern}] on {backend}{where}"
-    return f"{entry[1]} {entry[2]!r}"
-
-
 class CompiledFunction:
     def __init__(self, fn, static_argnames=(), cuda_graph=None):
         self.fn = fn
@@ -201,7 +161,7 @@ class CompiledFunction:
             for sizes, program in by_sizes.items():
                 plan = program.plan
                 entries.append({
-                    "signature": [_shown(entry) for entry in generic[1:]],
+                    "signature": [shown(entry) for entry in generic[1:]],
                     "sizes": [list(size) for size in sizes],
                     "launches": len(plan.launches) if plan is not None else 0,
                     "planned_peak_bytes": plan.planned_peak_bytes if plan is not None else None,
@@ -239,10 +199,10 @@ class CompiledFunction:
                     storage = node.attr("storage")
                 exact.append((a.backend, node.dtype, node.shape, storage.layout()))
             else:
-                exact.append(_exact(a))
+                exact.append(exact_entry(a))
         if pending:
             realize(*pending)
-            exact = ((names, mode), *[_exact(a) for a in args])
+            exact = ((names, mode), *[exact_entry(a) for a in args])
         else:
             exact = tuple(exact)
         program = self._programs.get(exact)
@@ -279,31 +239,16 @@ class CompiledFunction:
                 raise TypeError(
                     f"flame.compile({self.fn.__qualname__}): static argument {name!r} is a tensor"
                 )
-            generic.append(_generic(value))
+            generic.append(generic_entry(value))
         generic = ((tuple(names), are_deterministic_algorithms_enabled()), *generic)
         sizes = tuple(a.shape for a in args if isinstance(a, Tensor))
         return generic, sizes
-
-    def _miss_reason(self, generic) -> str:
-        if not self._signatures:
-            return "first call"
-        previous = next(reversed(self._signatures))
-        if previous[0][1] != generic[0][1]:
-            return f"deterministic algorithms {'on' if generic[0][1] else 'off'} (a new plan)"
-        if previous[0] != generic[0]:
-            return f"arguments passed as {generic[0][0]} instead of {previous[0][0]}"
-        names = generic[0][0]
-        for position, (old, new) in enumerate(zip(previous[1:], generic[1:])):
-            if old != new:
-                name = names[position] if position < len(names) else f"#{position}"
-                return f"argument {name!r}: {_shown(old)} -> {_shown(new)}"
-        return f"{len(generic) - 1} arguments instead of {len(previous) - 1}"
 
     def _trace(self, args, exact, names) -> _Program:
         generic, sizes = self._classify(args, names)
         known = self._signatures.get(generic)
         if known is None:
-            reason, kind = self._miss_reason(generic), "miss"
+            reason, kind = miss_reason(self._signatures, generic), "miss"
         elif sizes not in known:
             old = next(reversed(known))
             reason, kind = (
