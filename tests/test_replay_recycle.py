@@ -88,11 +88,16 @@ class _CountingAllocator:
         return self.pool.malloc(size)
 
 
-def _allocations_of(calls) -> int:
+def _allocations_of(call, expected, count: int, atol: float = 0.0) -> int:
+    """The device allocations made by ``count`` calls of ``call``, each result checked
+    against ``expected`` and dropped before the next call."""
     cupy = pytest.importorskip("cupy")
     counter = _CountingAllocator()
     with cupy.cuda.using_allocator(counter):
-        calls()
+        for _ in range(count):
+            out = call()
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=atol)
+            del out
     return counter.calls
 
 
@@ -101,14 +106,7 @@ def test_compiled_dropped_results_allocate_nothing():
     x, y = _inputs(0.5)
     for _ in range(3):
         step(x, y)
-
-    def calls():
-        for _ in range(5):
-            out = step(x, y)
-            np.testing.assert_allclose(out.numpy(), _expected(0.5), rtol=1e-5)
-            del out
-
-    assert _allocations_of(calls) == 0
+    assert _allocations_of(lambda: step(x, y), _expected(0.5), 5) == 0
 
 
 def test_lazy_dropped_results_recycle_and_stay_right():
@@ -116,14 +114,7 @@ def test_lazy_dropped_results_recycle_and_stay_right():
     x = fl.tensor(values).realize()
     for _ in range(3):  # plans, then matches the walk and makes the runner
         _lazy(x)
-
-    def calls():
-        for _ in range(5):
-            out = _lazy(x)
-            np.testing.assert_allclose(out.numpy(), _lazy_expected(values), rtol=1e-5, atol=1e-6)
-            del out
-
-    assert _allocations_of(calls) == 0
+    assert _allocations_of(lambda: _lazy(x), _lazy_expected(values), 5, atol=1e-6) == 0
 
 
 def test_lazy_results_held_by_graphs_views_or_exports_keep_their_values():
@@ -150,11 +141,5 @@ def test_lazy_results_above_the_bound_get_new_buffers():
     x = fl.tensor(values).realize()
     for _ in range(3):
         _lazy(x)
-
-    def calls():
-        for _ in range(4):
-            out = _lazy(x)
-            np.testing.assert_allclose(out.numpy(), _lazy_expected(values), rtol=1e-5, atol=1e-6)
-            del out
-
-    assert _allocations_of(calls) == 4  # every result a buffer of its own
+    # every result a buffer of its own
+    assert _allocations_of(lambda: _lazy(x), _lazy_expected(values), 4, atol=1e-6) == 4
