@@ -3,8 +3,6 @@ strided view), storage conversions, C expressions of ops, literals and the comme
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from flame.codegen.spec import c_literal
 from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
@@ -12,12 +10,12 @@ from flame.ir.node import Node, format_site
 from flame.ir.ops import HELPERS, get_op
 from flame.ir.printer import format_type, format_value
 from flame.ir.views import MOVEMENT_OPS, View, resolve
+from flame.records import Record
 
 INDEX_LEAVES = ("rand", "randn", "arange")
 
 
-@dataclass
-class Read:
+class Read(Record):
     """A value a kernel reads: ``base`` (a buffer, or a leaf generated from its index)
     through ``view``; ``top`` is the node consumers refer to (the last movement op)."""
 

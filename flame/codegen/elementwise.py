@@ -13,7 +13,6 @@ the index width. What does not: sizes, offsets and other strides, which are argu
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from flame.codegen.common import (
     INDEX_LEAVES,
@@ -35,14 +34,16 @@ from flame.ir.graph import Group
 from flame.ir.node import Node
 from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import MOVEMENT_OPS, expand_view
+from flame.records import Record
 
 VECTOR_BYTES = 16
 MAX_VEC = 8  # 16 bytes of 16-bit values: one 128-bit load per operand
 BLOCK = 256
 
 
-@dataclass(frozen=True)
-class Lowered:
+class Lowered(Record, frozen=True):
+    """A group lowered to one kernel: its spec and what its parameters bind to."""
+
     spec: KernelSpec
     reads: tuple[Node, ...]  # buffers the kernel reads, in ``in`` parameter order
     outputs: tuple[Node, ...]  # values it writes, in ``out`` parameter order

@@ -15,19 +15,17 @@ that vary per tensor into entries of a table the kernel reads:
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
+from flame import records
 from flame.codegen.elementwise import Lowered, lower_elementwise
 from flame.codegen.spec import KernelSpec
 from flame.ir.graph import Group
 from flame.ir.node import Node
+from flame.records import Record
 
 CHUNK = 65536  # elements per block: long enough to stream, short enough to balance
 
 
-@dataclass(frozen=True)
-class MultiTensorLowered:
+class MultiTensorLowered(Record, frozen=True):
     spec: KernelSpec
     per_tensor: tuple[tuple[str, int], ...]  # table columns: ("in" | "out", operand position)
     shared: tuple[Node, ...]  # buffers every tensor's launch reads, by ``in`` operand order
@@ -57,7 +55,7 @@ def lower_multi_tensor(group: Group, varying: set[int], aligned: bool, wide: boo
             renames[arg.name] = (arg, len(columns) - 1)
         elif arg.kind == "in":
             shared.append(lowered.reads[arg.operand])
-            params.append(dataclasses.replace(arg, operand=len(shared) - 1))
+            params.append(records.replace(arg, operand=len(shared) - 1))
         elif arg.name != "n":
             params.append(arg)
     index = "long long" if wide else "int"
@@ -65,7 +63,7 @@ def lower_multi_tensor(group: Group, varying: set[int], aligned: bool, wide: boo
         (arg.ctype.replace(" __restrict__", ""), arg.name, column)
         for arg, column in renames.values()
     )  # fmt: skip
-    multi = dataclasses.replace(
+    multi = records.replace(
         spec,
         name=spec.name.replace("flame_ew_", "flame_mt_", 1),
         template="multi_tensor.cu.j2",

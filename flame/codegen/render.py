@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from pathlib import Path
 
 from flame.codegen.spec import KernelSpec
+from flame.records import fields as fields_of
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def spec_key(spec: KernelSpec) -> str:
     """A key that identifies the rendered code without rendering it: every field of the spec
     but its comment header, plus the templates' contents. A warm start looks kernels up by
     this key and never loads Jinja2."""
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "header"}
+    fields = {f.name: getattr(spec, f.name) for f in fields_of(spec) if f.name != "header"}
     # planned sizes and strides are launch arguments, not code
     fields["params"] = [(arg.kind, arg.ctype, arg.name, arg.operand) for arg in spec.params]
     text = repr(sorted(fields.items())) + _templates_digest()

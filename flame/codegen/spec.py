@@ -8,13 +8,12 @@ described by ``Arg`` records that the runtime fills in at launch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from flame.ir.dtypes import DType
+from flame.records import Record, field
 
 
-@dataclass(frozen=True)
-class Arg:
+class Arg(Record, frozen=True):
     """One kernel parameter: ``kind`` is ``out`` / ``in`` (a buffer) or ``size`` / ``stride``
     (an integer the launcher computes from the shapes it was planned for)."""
 
@@ -25,8 +24,9 @@ class Arg:
     operand: int = -1  # for in/out: position in Lowered.reads / group outputs
 
 
-@dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(Record, frozen=True):
+    """What a template renders: the kernel's name, launch shape, parameters and code lines."""
+
     name: str
     template: str
     index_type: str

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+
+from flame.records import Record
 
 
 class NoGPUError(RuntimeError):
     """Realizing on the CUDA backend with no usable GPU."""
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
+class DeviceInfo(Record, frozen=True):
+    """The GPU FLAME runs on, as the runtime reports it."""
+
     name: str
     arch: str  # e.g. "sm_90"
     multiprocessors: int

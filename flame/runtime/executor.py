@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from dataclasses import dataclass, field
 
 from flame.codegen.lower import lower_group
 from flame.codegen.render import render, spec_key
@@ -21,6 +20,7 @@ from flame.ir.node import Node, toposort
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
+from flame.records import Record, field
 from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.launch import Launch
@@ -40,8 +40,7 @@ RECYCLE_BYTES = 64 * 1024
 CAPTURABLE_LIBRARY_OPS = frozenset({"matmul", "cat", "pad"})
 
 
-@dataclass(frozen=True)
-class LibraryCall:
+class LibraryCall(Record, frozen=True):
     """A node computed by a library routine (cuBLAS, CuPy): see flame/runtime/library.py."""
 
     node: Node
@@ -73,8 +72,9 @@ class LibraryCall:
         slots[self.output] = run_library(self.node, arrays)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(Record, frozen=True):
+    """A graph planned for the GPU: its launches over numbered slots, and what to free when."""
+
     launches: tuple[Launch, ...]
     slot_count: int
     output_slots: tuple[int, ...]  # where each requested output ends up

@@ -13,10 +13,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 
+from flame.records import Record
 from flame.runtime.device import device_info
 
 _CUDA_ERROR_INVALID_CONTEXT = 201  # CUresult: no context current in the calling thread
@@ -25,8 +25,10 @@ _PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2
 BLOCKS_PER_SM = 1 << 20  # measured: one vector per thread beats a strided loop (notes/)
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(Record, frozen=True):
+    """One kernel launch of a plan: the compiled function, its launch shape, and per parameter
+    the slot or scalar it takes."""
+
     spec: object  # the KernelSpec (render(spec) gives the source, for the dump)
     function: object
     grid: int
