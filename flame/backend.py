@@ -55,13 +55,10 @@ def _realize_on_gpu(nodes) -> None:
     """The first call checks for a GPU and binds the executor's module; later calls (lazy
     mode pays one per realize) go straight to it."""
     global _realize_on_gpu
-    from flame.runtime.compiler import load_nvrtc_in_background
     from flame.runtime.device import device_info
-
-    device_info()  # a clear error, naming the way out, when there is no GPU
-    load_nvrtc_in_background()  # overlaps the executor's import and first plan
     from flame.runtime.executor import default_executor
 
+    device_info()  # a clear error, naming the way out, when there is no GPU
     # A GPU is there: it stays for the life of the process, and so does the default
     # executor (made once, never replaced), so its method is bound here once.
     _realize_on_gpu = default_executor().realize
