@@ -200,6 +200,8 @@ def match_walk(entries: tuple, root, positions: tuple | None = None) -> list[Nod
                 elif placed is not child:
                     return None
     inputs.reverse()
+    if len(inputs) > 1 and len({id(node) for node in inputs}) != len(inputs):
+        return None  # more sharing than recorded: see ``compile_walk``
     return inputs
 
 
@@ -297,7 +299,13 @@ def compile_walk(entries: tuple, positions: tuple | None = None):
             else:
                 lines.append(f"    n{child} = c[{place}]")
                 placed.add(child)
-    lines.append(f"    return [{', '.join(reversed(inputs))}]")
+    lines.append(f"    found = [{', '.join(reversed(inputs))}]")
+    if len(inputs) > 1:
+        # One input at two recorded positions: the new graph shares more than the recorded
+        # one, whose plan would compute the work over it twice (``exp(x) + exp(x)`` after
+        # ``exp(x) + exp(y)``): it is walked anew and gets a plan and a walk of its own.
+        lines.append(f"    if len({{id(n) for n in found}}) != {len(inputs)}: return None")
+    lines.append("    return found")
     namespace = dict(constants)
     exec(compile("\n".join(lines), "<flame recorded walk>", "exec"), namespace)  # noqa: S102
     return namespace["matcher"]
