@@ -16,6 +16,7 @@ from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
 from flame.runtime import events
 from flame.runtime.storage import Storage, storage_of
+from flame.signatures import exact_entry
 from flame.tensor import Tensor
 
 
@@ -62,11 +63,11 @@ MISS = object()  # the dispatch found no one-kernel program for the call
 
 def direct_key(args) -> tuple:
     """The key of a call whose arguments are all realized tensors, as ``dispatcher``'s
-    generated code spells it: the deterministic-algorithms mode, then per argument its
-    backend, dtype, shape and layout."""
+    generated code spells it: the deterministic-algorithms mode, then each argument's
+    ``exact_entry`` (backend, dtype, shape, layout) laid out flat."""
     key = [are_deterministic_algorithms_enabled()]
     for a in args:
-        key += (a.backend, a.node.dtype, a.node.shape, storage_of(a.node).layout())
+        key += exact_entry(a)
     return tuple(key)
 
 

@@ -201,7 +201,10 @@ def match_walk(entries: tuple, root, positions: tuple | None = None) -> list[Nod
                     return None
     inputs.reverse()
     if len(inputs) > 1 and len({id(node) for node in inputs}) != len(inputs):
-        return None  # more sharing than recorded: see ``compile_walk``
+        # One input at two recorded positions: the graph shares more than the recorded one,
+        # whose plan would compute the work over it twice (``exp(x) + exp(x)`` after
+        # ``exp(x) + exp(y)``): it is walked anew and gets a plan and a walk of its own.
+        return None
     return inputs
 
 
@@ -299,13 +302,13 @@ def compile_walk(entries: tuple, positions: tuple | None = None):
             else:
                 lines.append(f"    n{child} = c[{place}]")
                 placed.add(child)
-    lines.append(f"    found = [{', '.join(reversed(inputs))}]")
-    if len(inputs) > 1:
-        # One input at two recorded positions: the new graph shares more than the recorded
-        # one, whose plan would compute the work over it twice (``exp(x) + exp(x)`` after
-        # ``exp(x) + exp(y)``): it is walked anew and gets a plan and a walk of its own.
-        lines.append(f"    if len({{id(n) for n in found}}) != {len(inputs)}: return None")
-    lines.append("    return found")
+    # one input at two recorded positions: more sharing than recorded (see ``match_walk``)
+    if len(inputs) == 2:
+        lines.append(f"    if {inputs[0]} is {inputs[1]}: return None")
+    elif len(inputs) > 2:
+        lines.append(f"    if len({{{', '.join(f'id({n})' for n in inputs)}}}) != {len(inputs)}:")
+        lines.append("        return None")
+    lines.append(f"    return [{', '.join(reversed(inputs))}]")
     namespace = dict(constants)
     exec(compile("\n".join(lines), "<flame recorded walk>", "exec"), namespace)  # noqa: S102
     return namespace["matcher"]
