@@ -38,7 +38,7 @@ def main() -> None:
     ops = expressions.flame_ops(fl)
     compiled = fl.compile(expressions.bind(expressions.tiny20, ops))
     compiled(x, y)
-    program = next(iter(compiled._programs.values()))
+    program = next(iter(compiled._state._programs.values()))
     launch = program.plan.launches[0]
     out = cupy.empty(1024, dtype=cupy.float32)
     slots = [None] * program.plan.slot_count

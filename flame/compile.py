@@ -110,7 +110,8 @@ class _Program:
     grads: tuple  # (weakref to owner, had a grad at trace time, flat index of the new grad)
     reference_inputs: tuple = ()  # reference backend: (node, source) pairs
     fast: object = None  # the replay of a plain CUDA program: args -> result
-    direct: object = None  # one kernel, one result: the arguments' storages -> result
+    entry: object = None  # one kernel, one result, tensor arguments: the generated call
+    key: tuple | None = None  # the traced call's direct_key (every argument a tensor)
 
     def guards_hold(self) -> bool:
         for owner_ref, had_grad, _ in self.grads:
@@ -143,7 +144,9 @@ class CompiledFunction:
         self._signature = inspect.signature(fn)
         self._programs: dict[tuple, _Program] = {}  # exact description -> program (fast path)
         self._signatures: dict[tuple, dict] = {}  # generic signature -> {shapes: program}
-        # The dispatch of one-kernel programs (``_dispatcher``): their flat keys -> ``direct``
+        # One-kernel programs called with tensors only: the last one called, whose ``entry``
+        # is tried first, and ``dispatcher``'s map of all of them (flat keys -> entries)
+        self._entry = None
         self._direct: dict[tuple, object] = {}
         self._dispatch = None  # set when the first such program is prepared
         self._lock = threading.Lock()
@@ -170,13 +173,17 @@ class CompiledFunction:
         return entries
 
     def __call__(self, *args, **kwargs):
+        """A call the front function (``_front``) did not finish: another one-kernel
+        program's key, keyword arguments, a trace in progress, or any other program."""
         tracing = _tracing.get()
-        dispatch = self._dispatch
-        if dispatch is not None and not kwargs and tracing is None:
-            result = dispatch(self._direct, args)
-            if result is not MISS:
-                self._info.hits += 1
-                return result
+        if self._dispatch is not None and not kwargs and tracing is None:
+            entry = self._dispatch(self._direct, args)
+            if entry is not None:
+                result = entry(args)
+                if result is not MISS:
+                    self._entry = entry  # tried first from now on
+                    self._info.hits += 1
+                    return result
         names = None
         if kwargs:
             args, names = self._bind(args, kwargs)
@@ -261,10 +268,11 @@ class CompiledFunction:
         program = self._build(args, names)
         with self._lock:
             self._programs[exact] = program
-            if program.direct is not None and names is None:
-                self._direct[direct_key(args)] = program.direct
+            if program.entry is not None and names is None:
+                self._direct[program.key] = program.entry
                 if self._dispatch is None:
                     self._dispatch = dispatcher(len(args))
+                self._entry = program.entry
             self._signatures.setdefault(generic, {})[sizes] = program
             self._info.traces += 1
             if kind == "replan":
@@ -316,9 +324,10 @@ class CompiledFunction:
             a.backend != backend for a in args if isinstance(a, Tensor)
         ):
             raise ValueError("flame.compile: tensors on different backends in one function")
-        return self._prepare(leaves, placeholders, treedef, trace, grads)
+        key = direct_key(args) if all(node is not None for node in placeholders) else None
+        return self._prepare(leaves, placeholders, treedef, trace, grads, key)
 
-    def _prepare(self, leaves, placeholders, treedef, trace, grads) -> _Program:
+    def _prepare(self, leaves, placeholders, treedef, trace, grads, key=None) -> _Program:
         position_of = {id(node): i for i, node in enumerate(placeholders) if node is not None}
         previous_grad = {
             id(previous.node): index
@@ -366,12 +375,11 @@ class CompiledFunction:
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
                 graphs = GraphCache(plan, self._info)
-            program.fast, direct = fast_replay(
+            program.fast, program.entry = fast_replay(
                 plan, sources, program.out_nodes, program.flat, program.treedef, graphs,
-                arity=len(placeholders),
+                arity=len(placeholders), key=key,
             )  # fmt: skip
-            if all(node is not None for node in placeholders):  # every argument a tensor
-                program.direct = direct
+            program.key = key
         return program
 
     def _run(self, program: _Program, args):
@@ -432,6 +440,33 @@ class CompiledFunction:
         ]
 
 
+def _front(state: CompiledFunction):
+    """The function ``flame.compile`` returns. A call first tries the entry of the last
+    one-kernel program called (flame/replay.py ``one_kernel_replay``: the whole replay in one
+    generated function, which returns ``MISS`` for another key); everything else goes to
+    ``state``. A plain function, not the ``CompiledFunction`` itself: calling an instance
+    costs Python more than calling a function (measured ~0.1 us per call).
+
+    Its attributes: ``cache_info()``, ``programs()``, and ``_state``."""
+    tracing = _tracing.get
+    info = state._info
+
+    def compiled(*args, **kwargs):
+        entry = state._entry
+        if entry is not None and not kwargs and tracing() is None:
+            result = entry(args)
+            if result is not MISS:
+                info.hits += 1
+                return result
+        return state(*args, **kwargs)
+
+    functools.update_wrapper(compiled, state.fn)
+    compiled.cache_info = state.cache_info
+    compiled.programs = state.programs
+    compiled._state = state
+    return compiled
+
+
 def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as torch.compile)
     """Trace ``fn`` once per signature and replay the prepared kernels on later calls.
 
@@ -443,4 +478,4 @@ def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as 
     captures."""
     if fn is None:
         return functools.partial(compile, static_argnames=static_argnames, cuda_graph=cuda_graph)
-    return CompiledFunction(fn, static_argnames, cuda_graph)
+    return _front(CompiledFunction(fn, static_argnames, cuda_graph))

@@ -19,25 +19,53 @@ from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry
 from flame.tensor import Tensor
 
+# A replay's result: a tensor over a buffer node over the Storage of the kernel's output.
+# Every call of a compiled function makes one, so the three objects are made without their
+# ``__init__`` calls, each slot set as the constructors set it (tests/test_host_cost.py checks
+# them against ``Storage``, ``Node`` and ``Tensor``). The lines are shared by ``wrap`` and the
+# generated runners, which inline them (names: new, Storage, Node, Tensor, dtype, shape, site).
+STORAGE_LINES = (
+    "storage = new(Storage)",
+    "storage.backend = 'cuda'",
+    "storage.dtype = dtype",
+    "storage.array = {array}",
+    "storage.host = storage._layout = None",
+)
+TENSOR_LINES = (
+    "node = new(Node)",
+    "node.op = 'buffer'",
+    "node.inputs = ()",
+    "node.attrs = (('storage', storage),)",
+    "node.dtype = dtype",
+    "node.shape = shape",
+    "node.site = site",
+    "node.buffer = node.grad_info = node._hash = None",
+    "tensor = new(Tensor)",
+    "tensor.node = node",
+    "tensor.backend = storage.backend",
+    "tensor.grad = None",
+)
+RESULT_NAMES = {"new": object.__new__, "Storage": Storage, "Node": Node, "Tensor": Tensor}
 
-def wrap(storage: Storage, dtype, shape, site, _new=object.__new__) -> Tensor:
-    """A result of a replay: a tensor over ``storage``. Every call of a compiled function
-    makes one, so ``Node(...)`` and ``Tensor(...)`` are made without their ``__init__``
-    calls, as the fast builders of flame/tensor.py make them (tests/test_host_cost.py checks
-    both against the constructors)."""
-    node = _new(Node)
-    node.op = "buffer"
-    node.inputs = ()
-    node.attrs = (("storage", storage),)
-    node.dtype = dtype
-    node.shape = shape
-    node.site = site
-    node.buffer = node.grad_info = node._hash = None
-    tensor = _new(Tensor)
-    tensor.node = node
-    tensor.backend = storage.backend
-    tensor.grad = None
-    return tensor
+
+def result_lines(array: str) -> list[str]:
+    """The body lines (indented once) that make ``tensor``, a replay's result over the CUDA
+    array named ``array``."""
+    return [f"    {line.format(array=array)}" for line in (*STORAGE_LINES, *TENSOR_LINES)]
+
+
+def _generated_wrap():
+    source = "def wrap(storage, dtype, shape, site):\n"
+    source += "".join(f"    {line}\n" for line in TENSOR_LINES) + "    return tensor\n"
+    namespace = dict(RESULT_NAMES)
+    exec(compile(source, "<flame replay result>", "exec"), namespace)  # noqa: S102
+    wrap = namespace["wrap"]
+    wrap.__doc__ = """``wrap(storage, dtype, shape, site) -> Tensor``: a result of a replay, a
+    tensor over ``storage`` (``TENSOR_LINES``)."""
+    return wrap
+
+
+wrap = _generated_wrap()
 
 
 def bind_arrays(sources: tuple, args) -> list:
@@ -58,7 +86,7 @@ def bind_arrays(sources: tuple, args) -> list:
 # --- the dispatch of one-kernel programs ---------------------------------------------------
 
 
-MISS = object()  # the dispatch found no one-kernel program for the call
+MISS = object()  # a compiled call the one-kernel path does not take: the general path runs
 
 
 def direct_key(args) -> tuple:
@@ -71,38 +99,53 @@ def direct_key(args) -> tuple:
     return tuple(key)
 
 
-@functools.lru_cache(maxsize=64)
-def dispatcher(arity: int):
-    """``dispatch(direct, args)``: the first thing a compiled function's call does, generated
-    per number of arguments as straight-line Python: when every argument is a realized
-    tensor and ``direct`` (``direct_key`` -> a program's ``direct``) has the call's key,
-    the program's result; else ``MISS`` and the general path runs."""
-    names = [f"a{i}" for i in range(arity)]
-    lines = ["def dispatch(direct, args):", f"    if len(args) != {arity}:", "        return MISS"]
+def _argument_lines(arity: int) -> list[str]:
+    """Body lines that unpack ``args`` into ``a{i}`` and bind each one's node ``n{i}`` and
+    storage ``s{i}``, returning ``miss`` unless there are ``arity`` realized tensors."""
+    lines = [f"    if len(args) != {arity}:", "        return miss"]
     if arity:
-        lines.append(f"    {', '.join(names)}, = args")
-    key = ["mode()"]
+        lines.append(f"    {', '.join(f'a{i}' for i in range(arity))}, = args")
     for i in range(arity):
         lines += [
             f"    if type(a{i}) is not Tensor:",
-            "        return MISS",
+            "        return miss",
             f"    n{i} = a{i}.node",
             f"    s{i} = n{i}.buffer",
             f"    if s{i} is None:",
             f"        if n{i}.op != 'buffer':",
-            "            return MISS",
+            "            return miss",
             f"        s{i} = n{i}.attr('storage')",
         ]  # fmt: skip
-        key.append(f"a{i}.backend, n{i}.dtype, n{i}.shape, s{i}.layout()")
-    lines += [
-        f"    run = direct.get(({', '.join(key)},))",
-        "    if run is None:",
-        "        return MISS",
-        f"    return run({', '.join(f's{i}' for i in range(arity))})",
-    ]  # fmt: skip
-    namespace = {"MISS": MISS, "Tensor": Tensor, "mode": are_deterministic_algorithms_enabled}
+    return lines
+
+
+@functools.lru_cache(maxsize=64)
+def dispatcher(arity: int):
+    """``dispatch(direct, args)``: generated per number of arguments as straight-line
+    Python, the value ``direct`` (``direct_key`` -> a program's ``entry``) holds for the
+    call's key; None when some argument is not a realized tensor or no program has the key.
+    ``flame.compile`` asks it when the last program's entry missed."""
+    lines = ["def dispatch(direct, args):", *_argument_lines(arity)]
+    key = ["mode()"]
+    key += [f"a{i}.backend, n{i}.dtype, n{i}.shape, s{i}.layout()" for i in range(arity)]
+    lines.append(f"    return direct.get(({', '.join(key)},))")
+    namespace = {"miss": None, "Tensor": Tensor, "mode": are_deterministic_algorithms_enabled}
     exec(compile("\n".join(lines) + "\n", "<flame.compile dispatch>", "exec"), namespace)  # noqa: S102
     return namespace["dispatch"]
+
+
+def _key_test_lines(key: tuple, arity: int) -> tuple[list[str], dict]:
+    """Body lines that return ``miss`` unless the arguments bound by ``_argument_lines`` have
+    ``key`` (``direct_key``'s layout), and the constants they name: each part compared on
+    its own, with no key built or hashed."""
+    tests, names = ["mode() != k0"], {"k0": key[0]}
+    for i in range(arity):
+        backend, dtype, shape, layout = key[1 + 4 * i : 5 + 4 * i]
+        names.update({f"b{i}": backend, f"d{i}": dtype, f"h{i}": shape, f"l{i}": layout})
+        tests += [f"a{i}.backend != b{i}", f"n{i}.dtype != d{i}", f"n{i}.shape != h{i}"]
+        tests.append(f"(s{i}._layout or s{i}.layout()) != l{i}")
+    lines = [f"    if {' or '.join(tests)}:", "        return miss"]
+    return lines, names
 
 
 # --- results: nested tuples, lists and dicts of tensors -------------------------------------
@@ -255,16 +298,17 @@ class GraphCache:
         return [graph, slots, [None] * len(plan.output_slots), held]
 
 
-def fast_replay(plan, sources, out_nodes, flat, treedef, graphs, arity: int):
+def fast_replay(plan, sources, out_nodes, flat, treedef, graphs, arity: int, key=None):
     """The replay of a CUDA program that sets no ``.grad``: the per-call work reduced to
     binding arguments, launching, and wrapping the results. ``sources``: per plan input,
     ("arg", position) or ("storage", Storage); ``flat``: per flat result, ("out", index),
     ("arg", position) or ("fixed", tensor); ``graphs``: the program's CUDA graphs, or None;
-    ``arity``: the function's number of arguments.
+    ``arity``: the function's number of arguments; ``key``: the traced call's ``direct_key``
+    when every argument is a tensor (else None).
 
-    Returns ``(replay, direct)``: ``replay(args)``, and for a program of one kernel and one
-    result, ``direct(s0, ..., s{arity-1})`` taking the arguments' storages (None for an
-    argument that is not a tensor), which ``flame.compile``'s dispatch calls; else None."""
+    Returns ``(replay, entry)``: ``replay(args)``, and for a program of one kernel and one
+    result called with ``key``, ``entry(args)``: the whole call in one generated function,
+    which returns ``MISS`` for arguments of another key (``one_kernel_replay``)."""
     from flame.runtime.executor import default_executor
 
     executor = default_executor()
@@ -275,9 +319,10 @@ def fast_replay(plan, sources, out_nodes, flat, treedef, graphs, arity: int):
     )  # fmt: skip
     single = treedef == "tensor" and flat[0][0] == "out"
     if graphs is None and single:
-        direct = one_kernel_replay(plan, sources, outputs[0], executor, arity)
-        if direct is not None:
-            return (lambda args: direct(*map(_storage_or_none, args))), direct
+        runners = one_kernel_replay(plan, sources, outputs[0], executor, arity, key)
+        if runners is not None:
+            run, entry = runners
+            return (lambda args: run(*map(_storage_or_none, args))), entry
 
     def replay(args):
         arrays = bind_arrays(sources, args)
@@ -303,18 +348,24 @@ def _storage_or_none(value):
     return storage_of(value.node) if isinstance(value, Tensor) else None
 
 
-def one_kernel_replay(plan, sources, output, executor, arity: int):
-    """The commonest small program -- one kernel, one result -- as a generated runner
-    (flame/runtime/direct.py): ``run(s0, ..., s{arity-1})`` binds the arguments' storages
-    (and the storages the function closed over), launches the kernel, and wraps the result,
-    whose buffer it recycles once the caller has dropped the previous one. None where the
-    plan does not fit that form."""
+def one_kernel_replay(plan, sources, output, executor, arity: int, key=None):
+    """The commonest small program -- one kernel, one result -- as generated runners
+    (flame/runtime/direct.py), which bind the inputs' storages (the arguments' and those the
+    function closed over), launch the kernel, and make the result's tensor, whose buffer
+    they recycle once the caller has dropped the previous one:
+
+    - ``run(s0, ..., s{arity-1})`` takes the arguments' storages (None for an argument that
+      is not a tensor);
+    - ``entry(args)``, made when ``key`` (the traced call's ``direct_key``) is given, is a
+      compiled call's whole fast path in one function: it unpacks the arguments, tests their
+      key part by part and runs, or returns ``MISS``.
+
+    ``(run, entry)``; None where the plan does not fit that form."""
     from flame.runtime.direct import one_kernel_runner
 
     slot, dtype, shape, site = output
     parameters = ", ".join(f"s{i}" for i in range(arity))
-    header = [f"def run({parameters}):"]
-    header += ["    if listening():", f"        return observed({parameters})"]
+    listening = ["    if listening():", f"        return observed({parameters})"]
     storages, closed = [], {}
     for index, (is_arg, value) in enumerate(sources):
         if is_arg:
@@ -331,8 +382,19 @@ def one_kernel_replay(plan, sources, output, executor, arity: int):
         return wrap(Storage("cuda", dtype, slots[slot]), dtype, shape, site)
 
     namespace = {
-        **closed, "listening": events.active, "observed": observed,
-        "wrap": wrap, "Storage": Storage, "dtype": dtype, "shape": shape, "site": site,
+        **closed, **RESULT_NAMES, "listening": events.active, "observed": observed,
+        "dtype": dtype, "shape": shape, "site": site,
     }  # fmt: skip
-    finish = ["    return wrap(Storage('cuda', dtype, out), dtype, shape, site)"]
-    return one_kernel_runner(plan, header, storages, finish, namespace)
+    finish = [*result_lines("out"), "    return tensor"]
+    run = one_kernel_runner(
+        plan, [f"def run({parameters}):", *listening], storages, finish, namespace
+    )
+    if run is None:
+        return None
+    entry = None
+    if key is not None:
+        tests, constants = _key_test_lines(key, arity)
+        header = ["def entry(args):", *_argument_lines(arity), *tests, *listening]
+        namespace.update(constants, miss=MISS, mode=are_deterministic_algorithms_enabled)
+        entry = one_kernel_runner(plan, header, storages, finish, namespace)
+    return run, entry

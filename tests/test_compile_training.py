@@ -226,7 +226,7 @@ def test_plan_releases_intermediates_after_their_last_reader(rng):
     np.testing.assert_allclose(
         got.numpy(), (F.softmax(x, -1) @ w).sum(-1).numpy() * 2.0, rtol=1e-4, atol=1e-5
     )
-    program = next(iter(compiled._programs.values()))
+    program = next(iter(compiled._state._programs.values()))
     plan = program.plan
     released = {slot for slots in plan.releases for slot in slots}
     assert released and not released & set(plan.output_slots)
@@ -245,7 +245,7 @@ def test_cuda_graph_replay_is_correct_and_follows_inputs_changed_in_place(rng):
     compiled = fl.compile(_two_kernels)
     x = _t(rng, 256, 64).realize()
     first = compiled(x)
-    program = next(iter(compiled._programs.values()))
+    program = next(iter(compiled._state._programs.values()))
     assert len(program.plan.launches) >= 2
     for got, want in zip(first, _two_kernels(x)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 
 import flame as fl
 from flame.determinism import use_deterministic_algorithms
-from flame.replay import MISS, direct_key, dispatcher
+from flame.replay import direct_key, dispatcher
 from flame.runtime.launch import _filler, param_codes, param_format
 
 
@@ -62,34 +62,40 @@ def _realized(values, dtype=np.float32):
 
 def test_dispatch_finds_the_program_of_the_calls_key(reference_backend):
     x, y = _realized([1.0, 2.0]), _realized([3.0, 4.0])
-    direct = {direct_key((x, y)): lambda s0, s1: ("ran", s0, s1)}
-    result = dispatcher(2)(direct, (x, y))
-    assert result[0] == "ran"
-    assert result[1] is x.node.attr("storage") and result[2] is y.node.attr("storage")
+    direct = {direct_key((x, y)): "entry"}
+    assert dispatcher(2)(direct, (x, y)) == "entry"
     # other tensors of the same key take the same program
-    assert dispatcher(2)(direct, (_realized([5.0, 6.0]), y))[0] == "ran"
+    assert dispatcher(2)(direct, (_realized([5.0, 6.0]), y)) == "entry"
+
+
+def _other_keys(x):
+    """Calls whose key differs from ``(x, y)``'s in one part each (y: two float32s)."""
+    with fl.backend("reference"):
+        strided = fl.from_numpy(np.arange(4, dtype=np.float32)[::2])
+    return {
+        "arity": (x,),
+        "not a tensor": (x, 2.0),
+        "not realized": (x, x + 1),  # the general path realizes it
+        "dtype": (x, _realized([3, 4], np.int32)),
+        "shape": (x, _realized([3.0, 4.0, 5.0])),
+        "layout": (x, strided),
+    }
 
 
 def test_dispatch_misses_what_the_key_does_not_cover(reference_backend):
     x, y = _realized([1.0, 2.0]), _realized([3.0, 4.0])
-    direct = {direct_key((x, y)): lambda s0, s1: "ran"}
+    direct = {direct_key((x, y)): "entry"}
     dispatch = dispatcher(2)
-    assert dispatch(direct, (x,)) is MISS  # another number of arguments
-    assert dispatch(direct, (x, 2.0)) is MISS  # not a tensor
-    assert dispatch(direct, (x, y + 1)) is MISS  # not realized: the general path realizes it
-    assert dispatch(direct, (x, _realized([3, 4], np.int32))) is MISS  # another dtype
-    assert dispatch(direct, (x, _realized([3.0, 4.0, 5.0]))) is MISS  # another shape
-    with fl.backend("reference"):
-        strided = fl.from_numpy(np.arange(4, dtype=np.float32)[::2])
-    assert dispatch(direct, (x, strided)) is MISS  # another layout
+    for why, args in _other_keys(x).items():
+        assert dispatch(direct, args) is None, why
     with use_deterministic_algorithms(True):
-        assert dispatch(direct, (x, y)) is MISS  # another mode: other plans
-    assert dispatch(direct, (x, y)) == "ran"
+        assert dispatch(direct, (x, y)) is None  # another mode: other plans
+    assert dispatch(direct, (x, y)) == "entry"
 
 
 def test_dispatch_of_no_arguments(reference_backend):
-    assert dispatcher(0)({direct_key(()): lambda: "ran"}, ()) == "ran"
-    assert dispatcher(0)({}, ()) is MISS
+    assert dispatcher(0)({direct_key(()): "entry"}, ()) == "entry"
+    assert dispatcher(0)({}, ()) is None
 
 
 @pytest.mark.gpu
@@ -102,7 +108,7 @@ def test_compiled_one_kernel_calls_take_the_direct_path(cuda_backend):
     y = fl.tensor(np.linspace(1, 0, 3000, dtype=np.float32)).realize()
     expected = 1 / (1 + np.exp(-(x.numpy() * 2 + y.numpy())))
     np.testing.assert_allclose(step(x, y).numpy(), expected, rtol=1e-6)
-    assert step._dispatch is not None and len(step._direct) == 1
+    assert step._state._dispatch is not None and len(step._state._direct) == 1
     for _ in range(3):
         np.testing.assert_allclose(step(x, y).numpy(), expected, rtol=1e-6)
     info = step.cache_info()
@@ -113,7 +119,7 @@ def test_compiled_one_kernel_calls_take_the_direct_path(cuda_backend):
     shifted = fl.tensor(np.linspace(-2, 2, 1000, dtype=np.float32)).realize()
     shifted_y = fl.tensor(np.linspace(1, 0, 1000, dtype=np.float32)).realize()
     out = step(shifted, shifted_y)  # new sizes: re-planned, then direct again
-    assert len(step._direct) == 2
+    assert len(step._state._direct) == 2
     expected_small = 1 / (1 + np.exp(-(shifted.numpy() * 2 + shifted_y.numpy())))
     np.testing.assert_allclose(out.numpy(), expected_small, rtol=1e-6)
 
@@ -130,7 +136,7 @@ def test_direct_path_reads_closed_over_storage_and_reports_to_the_dump(cuda_back
 
     x = fl.tensor(np.arange(512, dtype=np.float32)).realize()
     np.testing.assert_allclose(scale(x).numpy(), np.arange(512) * 3.0)
-    assert len(scale._direct) == 1
+    assert len(scale._state._direct) == 1
     seen = []
     with events.recording(lambda kind, data: seen.append(kind)):
         np.testing.assert_allclose(scale(x).numpy(), np.arange(512) * 3.0)

@@ -27,7 +27,7 @@ import numpy as np
 
 def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list[str],
                       namespace: dict, recycle_bytes: int | None = None):  # fmt: skip
-    """``run``, generated from ``header`` (its ``def`` line and whatever binds the names in
+    """The function ``header`` defines (its ``def`` line and whatever binds the names in
     ``storages``), a binding of each plan input from the expression ``storages`` gives it (a
     ``Storage``), the launch, and ``finish`` (lines using ``out``, the result's array).
     ``namespace``: the names ``header`` and ``finish`` use. Results larger than
@@ -82,6 +82,6 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
     }  # fmt: skip
     source = "\n".join(lines) + "\n"
     exec(compile(source, "<flame one-kernel runner>", "exec"), scope)  # noqa: S102
-    run = scope["run"]
+    run = scope[header[0].removeprefix("def ").partition("(")[0]]  # the function ``header`` defines
     run.source = source  # for the curious and for tests
     return run

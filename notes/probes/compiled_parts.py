@@ -25,19 +25,17 @@ def main():
         p["compiled"], p["program"], p["plan"], p["launch"], p["slots"]
     )  # fmt: skip
     args = (p["x"], p["y"])
-    storages = [a.node.buffer or a.node.attr("storage") for a in args]
     stream = cupy.cuda.get_current_stream().ptr
     node = program.out_nodes[0]
     out = slots[plan.output_slots[0]]
     buffer, extra, _ = launch._blocks[0]
     launch._fill(buffer, slots)
     raw = (launch.function.ptr, launch.grid, 1, 1, launch.block, 1, 1, 0, stream, 0, extra)
-    dispatch, direct = compiled._dispatch, dict(compiled._direct)
-    direct[next(iter(direct))] = lambda s0, s1: None  # the dispatch alone: key, lookup, no run
+    dispatch, direct = compiled._state._dispatch, compiled._state._direct
     pieces = {
         "compiled(x, y)": lambda: compiled(*args),
         "program.fast(args)": lambda: program.fast(args),
-        "program.direct(storages)": lambda: program.direct(*storages),
+        "program.entry(args)": lambda: program.entry(args),
         "dispatch: key + lookup": lambda: dispatch(direct, args),
         "bind_arrays": lambda: bind_arrays(p["sources"], args),
         "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,

@@ -42,7 +42,7 @@ def tiny20_prepared():
     y = fl.randn(1024, seed=1).realize()
     compiled = fl.compile(expressions.bind(expressions.tiny20, expressions.flame_ops(fl)))
     compiled(x, y)
-    ((_, program),) = compiled._programs.items()
+    ((_, program),) = compiled._state._programs.items()
     plan = program.plan
     sources = tuple((kind == "arg", value) for kind, value in program.sources)
     slots = bind_arrays(sources, (x, y)) + [None] * (plan.slot_count - len(sources))
