@@ -324,10 +324,11 @@ class CompiledFunction:
             a.backend != backend for a in args if isinstance(a, Tensor)
         ):
             raise ValueError("flame.compile: tensors on different backends in one function")
-        key = direct_key(args) if all(node is not None for node in placeholders) else None
-        return self._prepare(leaves, placeholders, treedef, trace, grads, key)
+        call_key = direct_key(args) if all(node is not None for node in placeholders) else None
+        return self._prepare(leaves, placeholders, treedef, trace, grads, call_key)
 
-    def _prepare(self, leaves, placeholders, treedef, trace, grads, key=None) -> _Program:
+    def _prepare(self, leaves, placeholders, treedef, trace, grads, call_key=None) -> _Program:
+        """``call_key``: the traced call's ``direct_key`` when every argument is a tensor."""
         position_of = {id(node): i for i, node in enumerate(placeholders) if node is not None}
         previous_grad = {
             id(previous.node): index
@@ -377,9 +378,9 @@ class CompiledFunction:
                 graphs = GraphCache(plan, self._info)
             program.fast, program.entry = fast_replay(
                 plan, sources, program.out_nodes, program.flat, program.treedef, graphs,
-                arity=len(placeholders), key=key,
+                arity=len(placeholders), key=call_key,
             )  # fmt: skip
-            program.key = key
+            program.key = call_key
         return program
 
     def _run(self, program: _Program, args):

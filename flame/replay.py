@@ -384,6 +384,7 @@ def one_kernel_replay(plan, sources, output, executor, arity: int, key=None):
     namespace = {
         **closed, **RESULT_NAMES, "listening": events.active, "observed": observed,
         "dtype": dtype, "shape": shape, "site": site,
+        "recycled": [None, None],  # one recycled result buffer for both runners
     }  # fmt: skip
     finish = [*result_lines("out"), "    return tensor"]
     run = one_kernel_runner(

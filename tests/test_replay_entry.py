@@ -8,6 +8,7 @@ when a compiled function alternates between programs."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 from types import SimpleNamespace
 
@@ -28,9 +29,10 @@ class _Array:
     """What a runner reads of a CuPy array."""
 
     itemsize, strides = 4, (4,)
+    addresses = itertools.count(0x100000, 0x1000)  # each new array's own
 
     def __init__(self, shape=None, dtype=None, ptr=None):
-        self.data = SimpleNamespace(ptr=ptr if ptr is not None else 0x10000 * (id(self) % 997))
+        self.data = SimpleNamespace(ptr=ptr if ptr is not None else next(self.addresses))
         self.made_with = (shape, dtype)
 
 
@@ -51,6 +53,7 @@ def _entry(key, launches: list):
     output = (2, fl.float32, (4,), ("model.py", 9))
     sources = ((True, 0), (True, 1))
     run, entry = one_kernel_replay(plan, sources, output, None, 2, key)
+    entry.run = run
 
     def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         pointers = (ctypes.c_void_p * 5).from_address(extra)
@@ -142,3 +145,17 @@ def test_the_front_function_tries_the_last_programs_entry_first(monkeypatch):
     assert state._entry is second  # tried first from now on
     assert compiled(b, b) == "second" and calls[-1:] == ["second"] and len(calls) == 4
     assert compiled.cache_info().hits == 3
+
+
+def test_run_and_entry_share_one_recycled_buffer():
+    """A program's first call runs ``run`` (the trace's own replay), later ones ``entry``: a
+    result dropped by one is recycled by the other, so a program keeps one buffer."""
+    x, y = _cuda_tensor(0x1000), _cuda_tensor(0x2000)
+    entry = _entry(direct_key((x, y)), [])
+    first = entry.run(x.node.attr("storage"), y.node.attr("storage"))
+    address = first.data_ptr()
+    del first
+    second = entry((x, y))
+    assert second.data_ptr() == address
+    third = entry((x, y))  # the second is still held: a new buffer
+    assert third.data_ptr() != address

@@ -30,9 +30,10 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
     """The function ``header`` defines (its ``def`` line and whatever binds the names in
     ``storages``), a binding of each plan input from the expression ``storages`` gives it (a
     ``Storage``), the launch, and ``finish`` (lines using ``out``, the result's array).
-    ``namespace``: the names ``header`` and ``finish`` use. Results larger than
-    ``recycle_bytes`` (None: no bound) always get a new buffer. None when the plan is not one
-    kernel writing one result."""
+    ``namespace``: the names ``header`` and ``finish`` use, and may hold ``recycled`` (a
+    ``[None, None]`` list) for runners of one plan to share their recycled buffer. Results
+    larger than ``recycle_bytes`` (None: no bound) always get a new buffer. None when the plan
+    is not one kernel writing one result."""
     from cupy import ndarray
     from cupy.cuda import get_current_stream
 
@@ -75,9 +76,9 @@ def one_kernel_runner(plan, header: list[str], storages: list[str], finish: list
     launch_lines, launch_names = launching
     lines += [*launch_lines, *finish]
     scope = {
-        **namespace, **launch_names,
-        "current_stream": get_current_stream, "refcount": sys.getrefcount,
         "recycled": [None, None],  # [array of the last run, its stream's pointer]
+        **namespace, **launch_names,  # runners of one plan may share ``recycled``
+        "current_stream": get_current_stream, "refcount": sys.getrefcount,
         "ndarray": ndarray, "out_shape": out_shape, "out_dtype": out_dtype,
     }  # fmt: skip
     source = "\n".join(lines) + "\n"
