@@ -3,6 +3,8 @@ strided view), storage conversions, C expressions of ops, literals and the comme
 
 from __future__ import annotations
 
+import re
+
 from flame.codegen.spec import c_literal
 from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
@@ -114,11 +116,28 @@ class Helpers:
     def __init__(self):
         self.sources: list[str] = []
 
-    def need(self, names) -> None:
+    def need(self, names, used_in: str | None = None) -> None:
+        """Add the helpers ``names`` (in their order); with ``used_in``, only those that
+        text calls, directly or through another of them (an op lists the helpers of all
+        its expressions)."""
+        if used_in is not None:
+            names = _called(names, used_in)
         for name in names:
             source = HELPERS[name]
             if source not in self.sources:
                 self.sources.append(source)
+
+
+def _called(names, text: str) -> list[str]:
+    called: set[str] = set()
+    pending = [text]
+    while pending:
+        code = pending.pop()
+        for name in names:
+            if name not in called and re.search(rf"\b{name}\(", code):
+                called.add(name)
+                pending.append(HELPERS[name])
+    return [name for name in names if name in called]
 
 
 def op_expression(node: Node, arguments: list[str], helpers: Helpers) -> str:
@@ -126,10 +145,12 @@ def op_expression(node: Node, arguments: list[str], helpers: Helpers) -> str:
     if node.op == "cast":
         return cast_expression(node.inputs[0].dtype, node.dtype, arguments[0])
     op = get_op(node.op)
-    helpers.need(op.helpers)
     category = node.inputs[-1].dtype.category
     literals = {key: attr_literal(value) for key, value in node.attrs}
-    return op.expression(category).format(*arguments, **literals)
+    narrow = node.dtype in (dtypes.float16, dtypes.bfloat16)
+    text = op.expression(category, narrow).format(*arguments, **literals)
+    helpers.need(op.helpers, used_in=text)
+    return text
 
 
 def generated_expression(node: Node, index: str, helpers: Helpers) -> str:

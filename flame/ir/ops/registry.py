@@ -13,7 +13,11 @@ A declaration holds everything the rest of FLAME needs to know about an op:
 * ``ref``: the NumPy reference, called on arrays in compute precision (float16/bfloat16
   arrive as float32, the oracle may pass float64);
 * ``cuda``: one C expression per input category (``f``, ``i``, ``b``), ``{0}``, ``{1}`` for the
-  inputs and ``{name}`` for attributes; ``helpers`` names the C helper functions it needs;
+  inputs and ``{name}`` for attributes; ``helpers`` names the C helper functions it needs.
+  An optional ``f16`` expression is used instead of ``f`` where the result is float16 or
+  bfloat16: it may trade float32 accuracy for instructions (hardware approximations) where
+  its error stays far below a 16-bit ulp (2^-11 relative) for values of order one, and no
+  larger than the ``f`` expression's elsewhere;
 * ``vjp``: the backward rule (filled by the autograd work; ``None`` until then), and
   ``differentiable=False`` for ops that have no gradient;
 * the sample inputs the registry-driven tests use (``domains``, ``attr_samples``).
@@ -51,8 +55,12 @@ class OpDef:
     doc: str = ""
     internal: bool = False  # built by FLAME itself (autograd), not by users: not in op tables
 
-    def expression(self, category: int) -> str:
+    def expression(self, category: int, narrow: bool = False) -> str:
+        """The C expression for inputs of ``category``; ``narrow``: the result is a 16-bit
+        float, so the ``f16`` expression is taken where there is one."""
         letter = CATEGORY_LETTER[category]
+        if narrow and letter == "f" and "f16" in self.cuda:
+            return self.cuda["f16"]
         expression = self.cuda.get(letter)
         if expression is None:
             raise KeyError(f"{self.name} has no CUDA expression for category {letter!r}")
