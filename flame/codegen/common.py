@@ -3,6 +3,7 @@ strided view), storage conversions, C expressions of ops, literals and the comme
 
 from __future__ import annotations
 
+import functools
 import re
 
 from flame.codegen.spec import c_literal
@@ -129,15 +130,25 @@ class Helpers:
 
 
 def _called(names, text: str) -> list[str]:
+    """The helpers among ``names`` whose functions ``text`` calls, or the called ones do."""
     called: set[str] = set()
     pending = [text]
     while pending:
         code = pending.pop()
+        calls = set(re.findall(r"\b(\w+)\s*\(", code))
         for name in names:
-            if name not in called and re.search(rf"\b{name}\(", code):
+            defined = _defined(name)
+            if name not in called and (calls & defined or not defined):  # none found: keep
                 called.add(name)
                 pending.append(HELPERS[name])
     return [name for name in names if name in called]
+
+
+@functools.cache
+def _defined(helper: str) -> frozenset:
+    """The functions a helper's source defines (a helper may define several: flame_minmax
+    defines flame_max and flame_min, for float and as templates)."""
+    return frozenset(re.findall(r"__device__[^(;{]*?\b(\w+)\s*\(", HELPERS[helper]))
 
 
 def op_expression(node: Node, arguments: list[str], helpers: Helpers) -> str:
