@@ -138,6 +138,8 @@ def _key_test_lines(key: tuple, arity: int) -> tuple[list[str], dict]:
     """Body lines that return ``miss`` unless the arguments bound by ``_argument_lines`` have
     ``key`` (``direct_key``'s layout), and the constants they name: each part compared on
     its own, with no key built or hashed."""
+    if len(key) != 1 + 4 * arity or any(len(part) != 2 for part in key[4::4]):
+        raise ValueError(f"not a direct_key of {arity} tensors: {key!r:.200}")
     tests, names = ["mode() != k0"], {"k0": key[0]}
     for i in range(arity):
         backend, dtype, shape, layout = key[1 + 4 * i : 5 + 4 * i]

@@ -159,3 +159,14 @@ def test_run_and_entry_share_one_recycled_buffer():
     assert second.data_ptr() == address
     third = entry((x, y))  # the second is still held: a new buffer
     assert third.data_ptr() != address
+
+
+def test_an_entry_is_made_only_from_a_call_key():
+    """The entry's constants come from ``direct_key``'s layout; any other tuple (a plan's
+    key, say) is refused when the entry is made, not turned into a test that always misses."""
+    x, y = _cuda_tensor(0x1000), _cuda_tensor(0x2000)
+    key = direct_key((x, y))
+    with pytest.raises(ValueError, match="not a direct_key of 2 tensors"):
+        _entry(key[:-1], [])
+    with pytest.raises(ValueError, match="not a direct_key"):
+        _entry((*key[:4], "not a layout", *key[5:]), [])
