@@ -1,4 +1,4 @@
-"""Joining and layout-building ops: ``cat``, ``stack``, ``pad`` (constant), ``triu``, ``tril``,
+"""Joining and layout-building ops: ``cat``, ``stack``, ``pad`` (four modes), ``triu``, ``tril``,
 ``repeat``. ``cat`` and ``pad`` copy (library calls); ``triu``/``tril`` are elementwise
 selections that fuse with their neighbours; ``repeat`` is a broadcast plus a reshape (one copy
 kernel); ``stack`` is ``cat`` of unsqueezed tensors."""
@@ -10,7 +10,7 @@ from flame.functional import where
 from flame.ir import dtypes
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor, apply_op
-from flame.views import expand, normalize_axis, reshape, unsqueeze
+from flame.views import expand, flip, narrow, normalize_axis, reshape, unsqueeze
 
 
 def cat(tensors, dim: int = 0) -> Tensor:
@@ -39,19 +39,64 @@ def stack(tensors, dim: int = 0) -> Tensor:
 
 
 def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
-    """PyTorch's ``F.pad``: ``pad`` lists (before, after) pairs from the LAST axis backwards."""
-    if mode != "constant":
-        raise ValueError(f"pad: only mode='constant' is supported, got {mode!r}")
+    """PyTorch's ``F.pad``: ``pad`` lists (before, after) pairs from the LAST axis backwards.
+    ``mode``: ``constant`` (with ``value``), ``reflect`` (mirrored, the edge not repeated),
+    ``replicate`` (the edge repeated) or ``circular`` (wrapped around)."""
+    if mode not in PAD_MODES:
+        raise _at_user_line(ValueError(f"pad: mode must be one of {PAD_MODES}, got {mode!r}"))
     if len(pad) % 2 or len(pad) // 2 > x.ndim:
-        raise ShapeError(
+        raise _at_user_line(ShapeError(
             f"pad: {list(pad)} must hold (before, after) pairs for at most {x.ndim} dims"
-        )
+        ))  # fmt: skip
     widths = [(0, 0)] * x.ndim
     for pair in range(len(pad) // 2):
         widths[x.ndim - 1 - pair] = (int(pad[2 * pair]), int(pad[2 * pair + 1]))
     if any(low < 0 or high < 0 for low, high in widths):
-        raise ValueError(f"pad: negative padding {list(pad)} is not supported")
-    return apply_op("pad", x, widths=tuple(widths), value=value)
+        raise _at_user_line(ValueError(f"pad: negative padding {list(pad)} is not supported"))
+    if mode == "constant":
+        return apply_op("pad", x, widths=tuple(widths), value=value)
+    result = x
+    for axis, (low, high) in enumerate(widths):
+        if low or high:
+            result = _pad_axis(result, axis, low, high, mode)
+    return result
+
+
+PAD_MODES = ("constant", "reflect", "replicate", "circular")
+
+
+def _at_user_line(error: Exception) -> Exception:
+    from flame.linalg import at_user_line
+
+    return at_user_line(error)
+
+
+def _pad_axis(x: Tensor, axis: int, low: int, high: int, mode: str) -> Tensor:
+    """``x`` padded along one axis by copies of its own entries (a ``cat`` of slices, so the
+    gradient of each copy flows back to the entry it came from)."""
+    size = x.shape[axis]
+    limit = {"reflect": size - 1, "circular": size, "replicate": size and max(low, high)}[mode]
+    if max(low, high) > limit or size == 0:
+        raise _at_user_line(ShapeError(
+            f"pad: {mode} padding ({low}, {high}) of dim {axis} needs a larger dim than "
+            f"{size} (input {x.dtype.name}{list(x.shape)})"
+        ))  # fmt: skip
+    if mode == "reflect":
+        before = flip(narrow(x, axis, 1, low), axis)
+        after = flip(narrow(x, axis, size - 1 - high, high), axis)
+    elif mode == "circular":
+        before, after = narrow(x, axis, size - low, low), narrow(x, axis, 0, high)
+    else:
+        before = _stretched(narrow(x, axis, 0, 1), axis, low)
+        after = _stretched(narrow(x, axis, size - 1, 1), axis, high)
+    pieces = [piece for piece in (before, x, after) if piece.shape[axis]]
+    return cat(pieces, axis)
+
+
+def _stretched(edge: Tensor, axis: int, count: int) -> Tensor:
+    shape = list(edge.shape)
+    shape[axis] = count
+    return expand(edge, tuple(shape))
 
 
 def _triangle(x: Tensor, diagonal: int, keep_upper: bool, name: str) -> Tensor:
@@ -61,7 +106,8 @@ def _triangle(x: Tensor, diagonal: int, keep_upper: bool, name: str) -> Tensor:
     row = reshape(arange(rows), (rows, 1))
     col = reshape(arange(cols), (1, cols))
     keep = (col - row >= diagonal) if keep_upper else (col - row <= diagonal)
-    return where(keep, x, 0)
+    # a bool input stays bool (a 0 would promote it to int64)
+    return where(keep, x, False if x.dtype.is_bool else 0)
 
 
 def triu(x: Tensor, diagonal: int = 0) -> Tensor:

@@ -29,8 +29,13 @@ def normalize_axes(dims, ndim: int, op: str) -> tuple[int, ...]:
     return axes
 
 
-def reshape(x: Tensor, *shape) -> Tensor:
-    sizes = list(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else list(shape)
+def reshape(x: Tensor, *sizes, shape=None) -> Tensor:
+    """``x.reshape(2, 3)``, ``x.reshape((2, 3))`` or, as PyTorch, ``x.reshape(shape=(2, 3))``."""
+    if shape is not None:
+        if sizes:
+            raise TypeError("reshape: give the sizes or shape=, not both")
+        sizes = (tuple(shape),)
+    sizes = list(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) else list(sizes)
     if sizes.count(-1) > 1:
         raise ShapeError(f"reshape: only one size may be -1, got {sizes}")
     if -1 in sizes:
