@@ -55,6 +55,13 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
         raise _at_user_line(ValueError(f"pad: negative padding {list(pad)} is not supported"))
     if mode == "constant":
         return apply_op("pad", x, widths=tuple(widths), value=value)
+    padded_dims = len(pad) // 2
+    if not 1 <= padded_dims <= 3 or x.ndim not in (padded_dims + 1, padded_dims + 2):
+        # PyTorch's rule: batch and channel dims come first, then 1 to 3 padded dims
+        raise _at_user_line(ShapeError(
+            f"pad: non-constant padding ({mode}) of {padded_dims} dim(s) needs a "
+            f"{padded_dims + 1}-d or {padded_dims + 2}-d input, got {x.dtype.name}{list(x.shape)}"
+        ))  # fmt: skip
     result = x
     for axis, (low, high) in enumerate(widths):
         if low or high:
