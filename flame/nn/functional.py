@@ -16,6 +16,11 @@ __all__ = [
     "cross_entropy", "dropout", "embedding", "gelu", "one_hot", "pad", "group_norm",
     "layer_norm", "leaky_relu", "log_softmax",
     "mse_loss", "relu", "rms_norm", "sigmoid", "silu", "softmax", "softplus", "tanh",
+    # activations, losses and normalize: flame/nn/activations.py, flame/nn/losses.py
+    "elu", "celu", "selu", "relu6", "hardtanh", "hardswish", "hardsigmoid", "logsigmoid",
+    "mish", "softmin", "softsign", "nll_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+    "normalize",
 ]  # fmt: skip
 
 
@@ -85,16 +90,24 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
 
 
 def cross_entropy(
-    logits: Tensor, target: Tensor, label_smoothing: float = 0.0, reduction: str = "mean",
-    ignore_index: int = -100,
+    input: Tensor, target: Tensor, weight=None, size_average=None,  # noqa: A002 (PyTorch's)
+    ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0,
 ) -> Tensor:  # fmt: skip
-    """Cross-entropy of ``logits`` [N, C] against integer class ``target`` [N]."""
-    if logits.ndim != 2 or target.ndim != 1 or target.shape[0] != logits.shape[0]:
-        raise ShapeError(
-            f"cross_entropy: expected logits [N, C] and target [N], got {list(logits.shape)} "
-            f"and {list(target.shape)}"
+    """Cross-entropy of logits ``input`` [N, C] (or [N, C, d...], or [C]) against class
+    indices ``target`` [N] (or [N, d...], []) or class probabilities shaped like ``input``."""
+    _no_legacy_arguments("cross_entropy", size_average, reduce)
+    logits = input
+    simple = (
+        weight is None and logits.ndim == 2 and target.ndim == 1
+        and not target.dtype.is_float and target.shape[0] == logits.shape[0]
+    )  # fmt: skip
+    if not simple:
+        from flame.nn.losses import cross_entropy_general
+
+        return cross_entropy_general(
+            logits, target, weight, ignore_index, reduction, label_smoothing
         )
-    if target.dtype.is_float or target.dtype.is_bool:
+    if target.dtype.is_bool:
         raise TypeError(f"cross_entropy: target must hold class indices, got {target.dtype.name}")
     classes = logits.shape[1]
     normalizer = R.logsumexp(logits, 1, keepdim=True)
@@ -107,6 +120,11 @@ def cross_entropy(
     valid = reshape(target, (-1, 1)) != ignore_index
     loss = reshape(where(valid, loss, 0.0), (-1,))
     return _reduce_loss(loss, reduction, valid)
+
+
+def _no_legacy_arguments(op: str, size_average, reduce) -> None:
+    if size_average is not None or reduce is not None:
+        raise TypeError(f"{op}: size_average and reduce are deprecated in PyTorch; use reduction=")
 
 
 def _reduce_loss(loss: Tensor, reduction: str, valid=None) -> Tensor:
@@ -145,3 +163,30 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tens
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
     difference = input - target
     return _reduce_loss(difference * difference, reduction)
+
+
+# The activations and losses beyond the ones above live in their own modules (this one stays
+# short); they are re-exported here, where PyTorch users look for them.
+from flame.nn.activations import (  # noqa: E402
+    celu,
+    elu,
+    hardsigmoid,
+    hardswish,
+    hardtanh,
+    logsigmoid,
+    mish,
+    relu6,
+    selu,
+    softmin,
+    softsign,
+)
+from flame.nn.losses import (  # noqa: E402
+    binary_cross_entropy,
+    binary_cross_entropy_with_logits,
+    huber_loss,
+    kl_div,
+    l1_loss,
+    nll_loss,
+    normalize,
+    smooth_l1_loss,
+)
