@@ -5,7 +5,8 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 """
 
 from flame import (
-    interop,  # noqa: F401  (Tensor.copy_, data_ptr, __dlpack__, __cuda_array_interface__)
+    inplace,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
+    interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
     optim,  # noqa: E402  (written with the public ops above)
 )
@@ -31,10 +32,15 @@ from flame.creation import (
     full_like,
     ones,
     ones_like,
+    multinomial,
+    normal,
     rand,
     rand_like,
+    randint,
+    randint_like,
     randn,
     randn_like,
+    randperm,
     tensor,
     zeros,
     zeros_like,
@@ -68,6 +74,15 @@ from flame.ir.dtypes import (
 from flame.ir.shapes import ShapeError
 from flame.joining import cat, pad, repeat, stack, tril, triu
 from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
+from flame.random import (
+    Generator,
+    default_generator,
+    get_rng_state,
+    initial_seed,
+    manual_seed,
+    seed,
+    set_rng_state,
+)  # fmt: skip
 from flame.reductions import (
     all,
     amax,
@@ -124,6 +139,8 @@ __all__ = [
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
-    "optim", "dump",
+    "optim", "dump", "Generator", "default_generator", "get_rng_state", "initial_seed",
+    "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
+    "randperm",
     *_functional_names,
 ]  # fmt: skip

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from flame import grad_templates
 from flame.compile import note_grad_assignment
 from flame.determinism import are_deterministic_algorithms_enabled
+from flame.ir import overwritten
 from flame.ir.node import Node, Token, format_site, toposort, user_site
 from flame.ir.ops import get_op
 from flame.ir.ops.registry import def_vjp
@@ -147,7 +148,8 @@ def functions() -> SimpleNamespace:
 def _extra_inputs(node: Node) -> tuple[Node, ...]:
     """Values a node's gradient flows to besides its graph inputs (a checkpoint's args)."""
     if node.op == "checkpoint":
-        return node.attr("recompute").arg_nodes
+        recompute = node.attr("recompute")
+        return recompute.arg_nodes + recompute.closed_over()
     return ()
 
 
@@ -176,7 +178,22 @@ def cotangents(outputs, seeds, targets, backend: str, templates: bool = True) ->
     backward rules run, every node on a path from them to ``outputs``).
 
     A forward graph seen before at the same line is not swept again: its backward is made
-    from the recorded template (flame/grad_templates.py), the graph the rules built then."""
+    from the recorded template (flame/grad_templates.py), the graph the rules built then.
+    A backward that reads a value an in-place write changed after the forward used it is
+    refused (PyTorch's version-counter error), naming both lines."""
+    total = _cotangents(outputs, seeds, targets, backend, templates)
+    if overwritten._overwritten:
+        found = overwritten.find([total[id(t)].node for t in targets if id(t) in total])
+        if found is not None:
+            raise GradError(
+                overwritten.describe(found, "the backward")
+                + ": one of the values needed for gradient computation has been modified by "
+                "an in-place operation"
+            )
+    return total
+
+
+def _cotangents(outputs, seeds, targets, backend: str, templates: bool) -> dict[int, Tensor]:
     if not templates:
         return _sweep(outputs, seeds, targets, backend)
     roots = [out.node for out in outputs] + [seed.node for seed in seeds]
@@ -413,25 +430,94 @@ def _filled(like: Tensor, value) -> Tensor:
 # --- checkpoint ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
 class Recompute:
-    """How a checkpoint rebuilds its region for the backward."""
+    """How a checkpoint rebuilds its region for the backward: ``fn`` over fresh stand-ins
+    of its arguments, with the generators rewound to where the forward drew (dropout draws
+    the same mask again). ``closed_over``: the values ``fn`` read without taking them as
+    arguments (weights), found by rebuilding once: the nodes both builds share."""
 
-    fn: object
-    args: tuple
-    arg_nodes: tuple
+    def __init__(self, fn, args: tuple, arg_nodes: tuple, out: Node, generators: list):
+        self.fn, self.args, self.arg_nodes = fn, args, arg_nodes
+        self.out, self.generators = out, generators
+        self._closed_over = None
+        self._pending = None  # a rebuild made for the frontier, used by the next backward
 
     def __repr__(self) -> str:
         return f"recompute({getattr(self.fn, '__name__', 'fn')})"
 
+    def rebuild(self):
+        """``(fresh stand-ins, fn's result over them)``."""
+        from flame import random
 
-def checkpoint(fn, *args):
+        token = Token()
+        fresh = [
+            Tensor(
+                Node("barrier", (a.node,), (("token", token),), a.dtype, a.shape, a.node.site),
+                a.backend,
+            )
+            if isinstance(a, Tensor)
+            else a  # numbers and other arguments pass through
+            for a in self.args
+        ]  # fmt: skip
+        before = random.rewind(self.generators)
+        try:
+            again = self.fn(*fresh)
+        finally:
+            random.rewind(before)
+        return fresh, again
+
+    def take(self):
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self.rebuild()
+
+    def closed_over(self) -> tuple[Node, ...]:
+        if self._closed_over is None:
+            forward = {id(node) for node in toposort([self.out], stop=self._is_arg)}
+            fresh, again = self._pending = self.rebuild()
+            barriers = {id(t.node) for t in fresh if isinstance(t, Tensor)}
+            shared = {}
+            stack = [again.node]
+            seen = set()
+            while stack:
+                node = stack.pop()
+                if id(node) in seen or id(node) in barriers:
+                    continue
+                seen.add(id(node))
+                if id(node) in forward:  # built before the call: a value fn closed over
+                    if node.op not in ("const",) and node.dtype.is_float:
+                        shared[id(node)] = node
+                    continue
+                stack.extend(node.inputs)
+            self._closed_over = tuple(shared.values())
+        return self._closed_over
+
+    def _is_arg(self, node: Node) -> bool:
+        return any(node is arg for arg in self.arg_nodes)
+
+
+def checkpoint(fn, *args, use_reentrant=None, preserve_rng_state=True, **kwargs):
     """``fn(*args)``, whose backward recomputes ``fn``'s intermediate values from ``args``
     instead of keeping them: the recomputation is a fresh copy of the region behind a
-    barrier, which the fusion pass can compute inside the backward kernels."""
+    barrier, which the fusion pass can compute inside the backward kernels. Gradients flow
+    to the arguments and to every tensor ``fn`` closes over (a block's weights); random
+    draws inside ``fn`` draw the same numbers again. ``use_reentrant`` is accepted (both
+    values behave as PyTorch's non-reentrant checkpoint); ``preserve_rng_state=False`` is
+    refused (the recomputation would see other random numbers)."""
+    if kwargs:
+        raise TypeError(
+            f"checkpoint: unexpected keyword arguments {sorted(kwargs)}; pass fn's own "
+            "arguments by position"
+        )
+    if not preserve_rng_state:
+        raise ValueError("checkpoint: preserve_rng_state=False is not supported")
+    from flame import random
+
+    generators = random.snapshot()
     out = fn(*args)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"checkpoint: fn must return one tensor, got {type(out).__name__}")
     tensors = tuple(a.node for a in args if isinstance(a, Tensor))
-    recompute = Recompute(fn, tuple(args), tensors)
+    recompute = Recompute(fn, tuple(args), tensors, out.node, generators)
     node = Node(
         "checkpoint", (out.node,), (("recompute", recompute),), out.dtype, out.shape, out.node.site
     )
@@ -439,21 +525,14 @@ def checkpoint(fn, *args):
 
 
 def _checkpoint_vjp(F, g, out, inner, recompute=None):
-    token = Token()
-    fresh = [
-        Tensor(
-            Node("barrier", (a.node,), (("token", token),), a.dtype, a.shape, a.node.site),
-            a.backend,
-        )
-        if isinstance(a, Tensor)
-        else a  # numbers and other arguments pass through
-        for a in recompute.args
-    ]
-    again = recompute.fn(*fresh)
-    barriers = [t for t in fresh if isinstance(t, Tensor)]
+    closed_over = recompute.closed_over()
+    fresh, again = recompute.take()
+    barriers = [t.node for t in fresh if isinstance(t, Tensor)]
     # the region is rebuilt with new barriers every time: nothing to record
-    total = cotangents([again], [g], [t.node for t in barriers], g.backend, templates=False)
-    return (None, *[total.get(id(t.node)) for t in barriers])
+    total = cotangents(
+        [again], [g], barriers + list(closed_over), g.backend, templates=False
+    )  # fmt: skip
+    return (None, *[total.get(id(node)) for node in barriers + list(closed_over)])
 
 
 def_vjp("checkpoint", _checkpoint_vjp)

@@ -38,8 +38,18 @@ def backend(name: str):
         _current.reset(token)
 
 
+from flame.ir import overwritten  # noqa: E402
+
+
 def realize_nodes(backend_name: str, nodes) -> None:
     """Compute and memoize ``nodes`` on ``backend_name``."""
+    if overwritten._overwritten:  # an in-place write changed memory some value may read
+        found = overwritten.find(nodes)
+        if found is not None:
+            raise RuntimeError(
+                overwritten.describe(found, "this value")
+                + ": realize it before the write (PyTorch computes it at once)"
+            )
     if backend_name == "reference":
         from flame.runtime import events, reference
         from flame.runtime.storage import Storage

@@ -67,6 +67,11 @@ def check_not_tracing(what: str) -> None:
         )
 
 
+def current_trace():
+    """The trace in progress in this context (None outside ``flame.compile``'s tracing)."""
+    return _tracing.get()
+
+
 def note_grad_assignment(owner: Tensor) -> None:
     """Called by ``backward()`` before it writes ``owner.grad``: while tracing, the compiled
     function records the tensor (and the gradient it held before) to make the new gradient
@@ -112,6 +117,11 @@ class _Program:
     fast: object = None  # the replay of a plain CUDA program: args -> result
     entry: object = None  # one kernel, one result, tensor arguments: the generated call
     key: tuple | None = None  # the traced call's direct_key (every argument a tensor)
+    # (generator, numbers drawn per call): advanced, and its state buffer written, per call
+    generators: tuple = ()
+    backend: str = "cuda"
+    # in-place writes: (("arg", position) | ("storage", Storage), flat index of the value)
+    writes: tuple = ()
 
     def guards_hold(self) -> bool:
         for owner_ref, had_grad, _ in self.grads:
@@ -126,6 +136,29 @@ class _Trace:
 
     def __init__(self):
         self.grads: dict[int, tuple] = {}  # id(owner) -> (owner, grad held before)
+        self.draws: dict = {}  # generator -> numbers the traced function draws from it
+        # in-place writes to memory: id(storage) -> [storage, the last value written,
+        # (tensor, its node before the trace) per tensor written]
+        self.writes: dict[int, list] = {}
+        self.written: tuple = ()  # the writes as the program makes them (set by _build)
+
+    def note_write(self, target: Tensor, storage, value: Node) -> None:
+        entry = self.writes.setdefault(id(storage), [storage, value, []])
+        entry[1] = value
+        if all(tensor is not target for tensor, _ in entry[2]):
+            entry[2].append((target, target.node))
+
+    def restore_written(self) -> None:
+        """The written tensors read their memory again (the replay writes it)."""
+        for _, _, tensors in self.writes.values():
+            for tensor, node in tensors:
+                tensor.node = node
+
+    def note_draw(self, generator, count: int) -> int:
+        """A draw of ``count`` numbers: its offset within the call's draws."""
+        local = self.draws.get(generator, 0)
+        self.draws[generator] = local + count
+        return local
 
     def note_grad(self, owner: Tensor) -> None:
         if id(owner) not in self.grads:
@@ -217,6 +250,9 @@ class CompiledFunction:
             self._info.hits += 1
         else:
             program = self._trace(args, exact, names)
+        if program.generators:
+            for generator, count in program.generators:
+                generator._advance_for_call(program.backend, count)
         if program.fast is not None:
             return program.fast(args)
         return self._run(program, args)
@@ -310,6 +346,7 @@ class CompiledFunction:
             raise
         finally:
             _tracing.reset(token)
+            trace.restore_written()
         leaves: list[Tensor] = []
         treedef = flatten(result, leaves)
         grads = []
@@ -317,6 +354,17 @@ class CompiledFunction:
             grads.append((owner, previous is not None, len(leaves)))
             leaves.append(owner.grad)
             owner.grad = previous  # the replay reads it, then assigns the program's result
+        writes = []
+        storage_position = {
+            id(node.attr("storage")): position
+            for position, node in enumerate(placeholders) if node is not None
+        }  # fmt: skip
+        for storage, value, tensors in trace.writes.values():
+            position = storage_position.get(id(storage))
+            target = ("arg", position) if position is not None else ("storage", storage)
+            writes.append((target, len(leaves)))
+            leaves.append(Tensor(value, tensors[0][0].backend))
+        trace.written = tuple(writes)
         if not leaves:
             raise TypeError("flame.compile: the function returned no tensor and set no .grad")
         backend = leaves[0].backend
@@ -348,8 +396,11 @@ class CompiledFunction:
                     computed.append(node)
                 flat.append(("out", seen[id(node)]))
         grad_entries = tuple((weakref.ref(owner), had, index) for owner, had, index in grads)
-        common = dict(treedef=treedef, flat=tuple(flat), grads=grad_entries)
         backend = leaves[0].backend
+        common = dict(
+            treedef=treedef, flat=tuple(flat), grads=grad_entries,
+            generators=tuple(trace.draws.items()), backend=backend, writes=trace.written,
+        )  # fmt: skip
         if not computed:
             return _Program((), (), None, **common)
         from flame.runtime.walks import linearize
@@ -372,10 +423,12 @@ class CompiledFunction:
         # the plan's outputs come back in the order it was asked for them
         outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
         program = _Program(outputs, sources, plan, **common)
-        if not grads and all(kind != "grad" for kind, _ in sources):
+        if not grads and not trace.written and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
                 graphs = GraphCache(plan, self._info)
+            if program.generators:
+                call_key = None  # the generated entry skips the generators' advance
             program.fast, program.entry = fast_replay(
                 plan, sources, program.out_nodes, program.flat, program.treedef, graphs,
                 arity=len(placeholders), key=call_key,
@@ -393,6 +446,9 @@ class CompiledFunction:
             owner = owner_ref()
             if owner is not None:
                 owner.grad = flat[index]
+        for (kind, target), index in program.writes:
+            storage = _storage(args[target]) if kind == "arg" else target
+            _write_back(storage, flat[index])
         return unflatten(program.treedef, iter(flat))
 
     def _source_storage(self, program, kind, value, args):
@@ -439,6 +495,18 @@ class CompiledFunction:
             )
             for node, value in zip(program.out_nodes, values)
         ]
+
+
+def _write_back(storage, value: Tensor) -> None:
+    """An in-place write of a compiled program: its value copied into the memory."""
+    source = _storage(value)
+    if storage.backend == "reference":
+        from flame.foreach import writable_array
+
+        writable_array(storage)[...] = source.numpy().reshape(storage.array.shape)
+    else:
+        array = storage.device_array()
+        array[...] = source.device_array().reshape(array.shape)
 
 
 def _front(state: CompiledFunction):

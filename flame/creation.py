@@ -7,7 +7,6 @@ never write the zeros or the random numbers to memory.
 from __future__ import annotations
 
 import math
-import secrets
 
 import numpy as np
 
@@ -19,12 +18,9 @@ from flame.ir.shapes import normalize_shape
 from flame.runtime.storage import Storage
 from flame.tensor import Tensor
 
-# NumPy dtypes FLAME has no counterpart for, and what they become.
+# NumPy dtypes FLAME has no counterpart for, and what they become (the next signed type
+# that holds every value). float64, int8, uint8 and int16 are FLAME dtypes, kept as they are.
 _NARROWED = {
-    np.dtype(np.float64): dtypes.float32,
-    np.dtype(np.int8): dtypes.int32,
-    np.dtype(np.int16): dtypes.int32,
-    np.dtype(np.uint8): dtypes.int32,
     np.dtype(np.uint16): dtypes.int32,
     np.dtype(np.uint32): dtypes.int64,
 }
@@ -52,10 +48,12 @@ def tensor(data, dtype=None) -> Tensor:
     """A tensor holding a copy of ``data`` (array, nested lists or a number)."""
     if isinstance(data, Tensor):
         return data.to(dtype) if dtype is not None else data
-    if isinstance(data, (bool, int, float)) and dtype is None:
+    from_numpy_data = isinstance(data, (np.ndarray, np.generic))
+    if isinstance(data, (bool, int, float)) and not from_numpy_data and dtype is None:
         dtype = dtypes.scalar_dtype(data)
     array = np.array(data)
-    if array.dtype == np.float64 and not isinstance(data, np.ndarray) and dtype is None:
+    # Python floats give the default float (as torch.tensor); NumPy float64 data stays float64
+    if array.dtype == np.float64 and not from_numpy_data and dtype is None:
         dtype = dtypes.float32
     target = dtypes.dtype(dtype) if dtype is not None else _flame_dtype_of(array)
     # astype copies into C order and, unlike ascontiguousarray, keeps 0-d arrays 0-d
@@ -110,26 +108,120 @@ def arange(start, end=None, step=1, dtype=None) -> Tensor:
     return _generated("arange", (count,), target, user_site(), start=start, step=step)
 
 
-def _random(op, shape, seed, dtype) -> Tensor:
+def _random(op, shape, seed, dtype, generator=None, requires_grad=False) -> Tensor:
     shape = normalize_shape(shape, op)
-    target = dtypes.dtype(dtype)
+    target = dtypes.dtype(dtype if dtype is not None else dtypes.float32)
     if not target.is_float:
         raise TypeError(f"{op}: dtype must be a float type, got {target.name}")
-    if seed is None:
-        seed = secrets.randbits(63)  # no hidden global generator: say seed= to reproduce
-    if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise TypeError(f"{op}: seed must be a non-negative int, got {seed!r}")
-    return _generated(op, shape, target, user_site(), seed=int(seed))
+    if seed is None:  # the generator's numbers (flame/random.py)
+        from flame import random
+
+        draw = random.draw_uniform if op == "rand" else random.draw_normal
+        result = draw(shape, generator).to(target)
+    else:
+        if generator is not None:
+            raise TypeError(f"{op}: give seed= or generator=, not both")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise TypeError(f"{op}: seed must be a non-negative int, got {seed!r}")
+        result = _generated(op, shape, target, user_site(), seed=int(seed))
+    return result.requires_grad_() if requires_grad else result
 
 
-def rand(*shape, seed=None, dtype=dtypes.float32) -> Tensor:
-    """Uniform [0, 1) numbers, generated in the consuming kernel (Philox, keyed by seed)."""
-    return _random("rand", shape, seed, dtype)
+def rand(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
+    """Uniform [0, 1) numbers, generated in the consuming kernel (Philox): from
+    ``generator`` (default: the default generator, ``fl.manual_seed``), or keyed by ``seed``."""
+    return _random("rand", shape, seed, dtype, generator, requires_grad)
 
 
-def randn(*shape, seed=None, dtype=dtypes.float32) -> Tensor:
-    """Standard normal numbers, generated in the consuming kernel (Philox, keyed by seed)."""
-    return _random("randn", shape, seed, dtype)
+def randn(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
+    """Standard normal numbers, generated in the consuming kernel (Philox): from
+    ``generator`` (default: the default generator), or keyed by ``seed``."""
+    return _random("randn", shape, seed, dtype, generator, requires_grad)
+
+
+def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_grad=False):
+    """Integers uniform in [low, high) (``randint(high, size)`` as PyTorch too)."""
+    if size is None:
+        if high is None or not isinstance(high, (tuple, list)):
+            raise TypeError("randint: give size, e.g. randint(low, high, (n,)) or randint(high, (n,))")
+        low, high, size = 0, low, high
+    elif high is None:
+        low, high = 0, low
+    low, high = int(low), int(high)
+    if high <= low:
+        raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
+    shape = normalize_shape((size,), "randint")
+    target = dtypes.dtype(dtype if dtype is not None else dtypes.int64)
+    if requires_grad:
+        raise TypeError("randint: only float tensors can require gradients")
+    from flame import random
+
+    bits = random.random_bits(shape, generator, words=2)
+    span = high - low
+    if span <= 1 << 24:  # one word: bits * span >> 24 is uniform up to 2^-24 relative bias
+        value = bits[0] * span // (1 << 24)
+    else:  # 48 bits
+        value = (bits[0] * (1 << 24) + bits[1]) % span
+    value = value + low
+    return value.to(target) if target is not dtypes.int64 else value
+
+
+def randint_like(other: Tensor, low=0, high=None, *, generator=None, dtype=None) -> Tensor:
+    if high is None:
+        low, high = 0, low
+    return randint(low, high, other.shape, generator=generator, dtype=dtype or other.dtype)
+
+
+def randperm(n: int, *, generator=None, dtype=None, requires_grad=False) -> Tensor:
+    """A random permutation of 0..n-1, drawn on the host from the generator (as PyTorch
+    does on the CPU); not inside ``flame.compile``."""
+    from flame import random
+
+    rng = random.host_rng(generator, int(n), "randperm")
+    values = rng.permutation(int(n)).astype(np.int64)
+    result = tensor(values, dtype=dtype or dtypes.int64)
+    return result.requires_grad_() if requires_grad else result
+
+
+def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, generator=None):  # noqa: A002
+    """Indices drawn from the rows of ``input`` (non-negative weights), as PyTorch: reads
+    the weights (a sync, as PyTorch's), draws on the host from the generator."""
+    from flame import random
+
+    weights = np.asarray(input.numpy(), dtype=np.float64)
+    if weights.ndim not in (1, 2):
+        raise ValueError(f"multinomial: input must be 1-d or 2-d, got {list(weights.shape)}")
+    rows = weights.reshape(-1, weights.shape[-1])
+    if (rows < 0).any() or not np.isfinite(rows).all() or (rows.sum(-1) <= 0).any():
+        raise RuntimeError("multinomial: invalid probability distribution (sum <= 0, inf, nan or < 0)")
+    if not replacement and num_samples > rows.shape[-1]:
+        raise RuntimeError(
+            f"multinomial: cannot sample {num_samples} > {rows.shape[-1]} without replacement"
+        )
+    rng = random.host_rng(generator, rows.shape[0] * int(num_samples), "multinomial")
+    picks = np.stack([
+        rng.choice(row.size, size=num_samples, replace=replacement, p=row / row.sum())
+        for row in rows
+    ]).astype(np.int64)  # fmt: skip
+    with_backend = picks.reshape(weights.shape[:-1] + (num_samples,))
+    from flame.backend import backend as use_backend
+
+    with use_backend(input.backend):
+        return tensor(with_backend)
+
+
+def normal(mean=0.0, std=1.0, size=None, *, generator=None, dtype=None) -> Tensor:
+    """Normal numbers of ``mean`` and ``std`` (numbers or tensors, broadcast)."""
+    shapes = [t.shape for t in (mean, std) if isinstance(t, Tensor)]
+    if size is not None:
+        shape = normalize_shape((size,), "normal")
+    elif shapes:
+        from flame.ir.shapes import broadcast_shapes
+
+        shape = broadcast_shapes("normal", *shapes)
+    else:
+        raise TypeError("normal: with number mean and std, give size=")
+    return randn(shape, generator=generator, dtype=dtype) * std + mean
 
 
 def zeros_like(other: Tensor, dtype=None) -> Tensor:
@@ -144,12 +236,18 @@ def full_like(other: Tensor, fill_value, dtype=None) -> Tensor:
     return full(other.shape, fill_value, dtype=dtype or other.dtype)
 
 
-def rand_like(other: Tensor, seed=None, dtype=None) -> Tensor:
-    return rand(other.shape, seed=seed, dtype=dtype or other.dtype)
+def rand_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
+    return rand(
+        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,
+        requires_grad=requires_grad,
+    )  # fmt: skip
 
 
-def randn_like(other: Tensor, seed=None, dtype=None) -> Tensor:
-    return randn(other.shape, seed=seed, dtype=dtype or other.dtype)
+def randn_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
+    return randn(
+        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,
+        requires_grad=requires_grad,
+    )  # fmt: skip
 
 
 def from_dlpack(source) -> Tensor:
@@ -164,8 +262,8 @@ def from_dlpack(source) -> Tensor:
             storage = Storage("cuda", dtype, array=array)
             node = Node("buffer", (), (("storage", storage),), dtype, array.shape, site)
             return Tensor(node, "cuda")
-        dtype = _flame_dtype_of(np.empty(0, array.dtype)) if array.dtype != np.float64 else None
-        if dtype is None or dtype.numpy != array.dtype:
+        dtype = _flame_dtype_of(np.empty(0, array.dtype))
+        if dtype.numpy != array.dtype:
             raise TypeError(f"from_dlpack: dtype {array.dtype} is not a FLAME dtype")
         storage = Storage("cuda", dtype, array=array)
         return Tensor(Node("buffer", (), (("storage", storage),), dtype, array.shape, site), "cuda")
@@ -206,13 +304,13 @@ def _cupy_from_dlpack(source):
         return cupy.from_dlpack(wrapped), dtypes.bfloat16
 
 
-def bernoulli(p, seed=None, shape=None) -> Tensor:
-    """1.0 with probability ``p`` (a tensor of probabilities, or a float with ``shape``),
-    else 0.0; generated in the consuming kernel from ``seed``."""
+def bernoulli(p, seed=None, shape=None, *, generator=None) -> Tensor:
+    """1.0 with probability ``p`` (a tensor of probabilities, as ``torch.bernoulli``, or a
+    float with ``shape``), else 0.0; generated in the consuming kernel from the generator
+    (or ``seed``)."""
     if isinstance(p, Tensor):
-        return (
-            rand(p.shape, seed=seed, dtype=p.dtype if p.dtype.is_float else dtypes.float32) < p
-        ).to(p.dtype if p.dtype.is_float else dtypes.float32)
+        dtype = p.dtype if p.dtype.is_float else dtypes.float32
+        return (rand(p.shape, seed=seed, generator=generator, dtype=dtype) < p).to(dtype)
     if shape is None:
         raise TypeError("bernoulli: with a float p, give shape=")
-    return (rand(shape, seed=seed) < float(p)).to(dtypes.float32)
+    return (rand(shape, seed=seed, generator=generator) < float(p)).to(dtypes.float32)

@@ -155,7 +155,8 @@ def test_state_dict_round_trip_continues_identically(rng, reference_backend):
     saved = opt1.state_dict()
     assert saved["state"][0]["step"] == 3 and saved["param_groups"][0]["params"] == [0]
     p2, opt2 = make()
-    p2.copy_(p1)
+    with fl.no_grad():  # an in-place write to a leaf that requires grad, as in PyTorch
+        p2.copy_(p1)
     opt2.load_state_dict(saved)
     assert opt2.state[p2]["exp_avg"] is not opt1.state[p1]["exp_avg"]  # its own copy
     train(p1, opt1, 2)

@@ -153,7 +153,10 @@ class Node:
     gradient and which hooks rewrite it (flame/autograd.py).
     """
 
-    __slots__ = ("op", "inputs", "attrs", "dtype", "shape", "site", "buffer", "grad_info", "_hash")
+    __slots__ = (
+        "op", "inputs", "attrs", "dtype", "shape", "site", "buffer", "grad_info", "_hash",
+        "__weakref__",
+    )  # fmt: skip
 
     def __init__(
         self,

@@ -181,6 +181,53 @@ class Executor:
                 self._walks[site] = (recorded, *walks[: WALKS_PER_SITE - 1])
         return plan, inputs
 
+    def realize_into(self, node: Node, array) -> bool:
+        """Compute ``node`` with its result written straight into ``array`` (a contiguous
+        CuPy array of its shape and dtype: an in-place write, flame/inplace.py), by the
+        kernel that computes it. Only where that is safe: the graph reads ``array``'s memory
+        only element for element, in the kernel that writes it or before it. Returns False
+        (nothing run) otherwise; the caller then computes the value apart and copies it."""
+        from flame.ir.ops import get_op
+
+        order, inputs, key = linearize([node])
+        if not order or is_input(node) or node.op in ("expand", "reshape", "permute", "slice"):
+            return False
+        address = array.data.ptr
+        aliased = [
+            index for index, child in enumerate(inputs) if _address_of(child) == address
+        ]  # fmt: skip
+        if aliased:
+            readers = {id(child) for index in aliased for child in [inputs[index]]}
+            for member in order:
+                if any(id(child) in readers for child in member.inputs):
+                    if get_op(member.op).kind != "elementwise" or member.shape != node.shape:
+                        return False  # read through a view, or by a reduction
+        plan = self.plan_for([node], inputs, key)
+        out_slot = plan.output_slots[0]
+        writer = next(
+            (i for i, step in enumerate(plan.launches)
+             if isinstance(step, Launch) and any(slot == out_slot for slot, _ in step.writes)),
+            None,
+        )  # fmt: skip
+        if writer is None or any(slot == out_slot for slot, _ in plan.launches[writer].zeroed):
+            return False
+        if any(slot in aliased for step in plan.launches[writer + 1 :] for slot in _reads(step)):
+            return False
+        slots = _arrays_of(inputs) + [None] * (plan.slot_count - len(inputs))
+        import cupy
+
+        for index, (step, releases) in enumerate(zip(plan.launches, plan.releases)):
+            if index == writer:
+                for slot, shape, dtype in step._allocations:
+                    slots[slot] = array if slot == out_slot else cupy.ndarray(shape, dtype)
+                step.launch_into(slots)
+            else:
+                step.execute(slots)
+            for slot in releases:
+                if slot != out_slot:
+                    slots[slot] = None
+        return True
+
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
         if are_deterministic_algorithms_enabled():  # plans differ: kept apart
@@ -376,6 +423,12 @@ def _arrays_of(inputs: list[Node]) -> list:
         array = storage.array
         arrays.append(array if array is not None else storage.device_array())
     return arrays
+
+
+def _address_of(node: Node) -> int | None:
+    storage = node.buffer if node.buffer is not None else node.attr("storage")
+    array = storage.array
+    return array.data.ptr if array is not None else None
 
 
 def _layout_of(node: Node):

@@ -28,9 +28,10 @@ class StagedUploads:
     def slots(self) -> int:
         return len(self._slots)
 
-    def put(self, values: np.ndarray):
+    def put(self, values: np.ndarray, into=None):
         """A new CuPy array on the current device holding ``values`` (any shape and dtype),
-        its copy queued on the current stream."""
+        its copy queued on the current stream; with ``into`` (a CuPy array of the same
+        shape and dtype), the copy lands there instead and ``into`` is returned."""
         import cupy
 
         values = np.ascontiguousarray(values)
@@ -47,7 +48,7 @@ class StagedUploads:
             staged = staged.reshape(values.shape)
             staged[...] = values
             stream = cupy.cuda.get_current_stream()
-            array = cupy.empty(values.shape, dtype=values.dtype)
+            array = cupy.empty(values.shape, dtype=values.dtype) if into is None else into
             array.set(staged, stream=stream)
             slot[2] = stream.record()
         return array

@@ -7,6 +7,7 @@ from flame.ir.ops import (  # noqa: F401  (declarations register themselves)
     leaves,
     linalg,
     movement,
+    random,
     reduce,
 )
 from flame.ir.ops.registry import HELPERS, OPS, OpDef, elementwise_ops, get_op

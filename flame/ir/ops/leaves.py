@@ -30,7 +30,11 @@ def philox4x32(index: np.ndarray, seed: int) -> tuple[np.ndarray, ...]:
     index = index.astype(np.uint64)
     counter = [index & _MASK32, index >> np.uint64(32)]
     counter += [np.zeros_like(counter[0]), np.zeros_like(counter[0])]
-    key = [np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)]
+    if isinstance(seed, np.ndarray):  # one key per element (a generator's seed, broadcast)
+        seed = seed.astype(np.uint64)
+        key = [seed & _MASK32, seed >> np.uint64(32)]
+    else:
+        key = [np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)]
     for _ in range(10):
         product0 = counter[0] * np.uint64(_PHILOX_M0)
         product1 = counter[2] * np.uint64(_PHILOX_M1)
