@@ -70,6 +70,23 @@ def no_grad():
         _grad_enabled.reset(token)
 
 
+class inference_mode(contextlib.ContextDecorator):  # noqa: N801 (PyTorch's name)
+    """As ``no_grad`` (FLAME keeps no autograd records either way); also a decorator.
+    ``inference_mode(False)`` leaves gradients on."""
+
+    def __init__(self, mode: bool = True):
+        self.mode = mode
+        self._tokens = []
+
+    def __enter__(self):
+        self._tokens.append(_grad_enabled.set(not self.mode and _grad_enabled.get()))
+        return self
+
+    def __exit__(self, *exc):
+        _grad_enabled.reset(self._tokens.pop())
+        return False
+
+
 @contextlib.contextmanager
 def enable_grad():
     token = _grad_enabled.set(True)
@@ -537,7 +554,7 @@ def _checkpoint_vjp(F, g, out, inner, recompute=None):
 
 def_vjp("checkpoint", _checkpoint_vjp)
 Tensor.requires_grad_ = requires_grad_
-Tensor.requires_grad = property(_requires_grad)
+Tensor.requires_grad = property(_requires_grad, lambda self, value: requires_grad_(self, value))
 Tensor.backward = backward
 Tensor.register_hook = register_hook
 Tensor.detach = detach

@@ -219,3 +219,22 @@ def test_gpu_write_reaches_dlpack_consumers(rng):
         x += 2.5
         fl.synchronize()
         assert torch.equal(shared, torch.full((8,), 2.5, device="cuda"))
+
+
+def test_requires_grad_setter_and_inference_mode(rng):
+    with fl.backend("reference"):
+        w = _t(rng, 3)
+        w.requires_grad = True
+        assert w.requires_grad
+        with fl.inference_mode():
+            assert not fl.is_grad_enabled()
+            assert not (w * 2).requires_grad
+
+        @fl.inference_mode()
+        def predict(x):
+            return x * w
+
+        assert not predict(w).requires_grad and fl.is_grad_enabled()
+        w.requires_grad = False
+        assert not w.requires_grad
+    assert issubclass(fl.ShapeError, RuntimeError)

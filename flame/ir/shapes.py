@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-class ShapeError(ValueError):
-    """A shape rule was broken; the message names the op, the shapes and the axis."""
+class ShapeError(ValueError, RuntimeError):
+    """A shape rule was broken; the message names the op, the shapes and the axis. A
+    ``RuntimeError`` as PyTorch's shape errors are (and a ``ValueError``, as it always was)."""
 
 
 def normalize_shape(sizes, op: str = "shape") -> tuple[int, ...]:
