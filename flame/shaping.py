@@ -103,9 +103,11 @@ def unbind(input: Tensor, dim: int = 0) -> tuple[Tensor, ...]:  # noqa: A002
 
 
 def clone(input: Tensor, memory_format=None) -> Tensor:  # noqa: A002
-    """A tensor of its own: a new node (a same-dtype cast), never the input's node."""
+    """A tensor of its own: a new node, never the input's node (an in-place write to the
+    clone must not reach the input). A product with one, not a same-dtype cast: the float64
+    oracle rounds at every cast, which would make a clone lose precision there."""
     checked_tensor("clone", input)
-    return apply("cast", input, dtype=input.dtype)
+    return apply("bitwise_or", input, False) if input.dtype.is_bool else apply("mul", input, 1)
 
 
 def contiguous(self: Tensor, memory_format=None) -> Tensor:
