@@ -83,7 +83,7 @@ def _promoted(left: Tensor, right: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def matmul(left: Tensor, right: Tensor) -> Tensor:
-    """``left @ right`` with ``numpy.matmul`` semantics; float32, float16 or bfloat16."""
+    """``left @ right`` with ``numpy.matmul`` semantics; float32, float64, float16 or bfloat16."""
     _check_operands("matmul", left, right)
     left, right = _promoted(left, right)
     precision = _precision.get() if left.dtype is dtypes.float32 else "highest"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 
+from flame.codegen.doubles import Float64Unsupported, double_helper, double_text
 from flame.codegen.spec import c_literal
 from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
@@ -92,14 +93,15 @@ def cast_expression(source: dtypes.DType, target: dtypes.DType, value: str) -> s
     if target.is_bool:
         return value if source.is_bool else f"({value} != 0)"
     if target.is_float:
-        converted = value if source.is_float else f"(float){value}"
+        exact = source.is_float and source.c_compute == target.c_compute
+        converted = value if exact else f"({target.c_compute}){value}"
         if target in (dtypes.float16, dtypes.bfloat16):
             converted = load(target, store(target, converted))
         return converted
     return f"({target.c_compute}){value}"
 
 
-def attr_literal(value) -> str:
+def attr_literal(value, dtype: dtypes.DType = dtypes.float32) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, (int, float)):
@@ -108,7 +110,15 @@ def attr_literal(value) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
-    return c_literal(value, dtypes.float32)
+    return c_literal(value, dtype if dtype.is_float else dtypes.float32)
+
+
+def computes_double(node: Node) -> bool:
+    """Whether ``node``'s float arithmetic runs in double: its result or a float input
+    (a comparison of float64 values) is float64."""
+    if node.dtype is dtypes.float64:
+        return True
+    return any(child.dtype is dtypes.float64 for child in node.inputs)
 
 
 class Helpers:
@@ -124,9 +134,17 @@ class Helpers:
         if used_in is not None:
             names = _called(names, used_in)
         for name in names:
-            source = HELPERS[name]
-            if source not in self.sources:
-                self.sources.append(source)
+            self._add(HELPERS[name])
+
+    def need_double(self, names, used_in: str) -> None:
+        """``need`` for code written for float that ``used_in`` (that code, before its
+        rewrite for double) calls: the helpers' double forms (flame/codegen/doubles.py)."""
+        for name in _called(names, used_in):
+            self._add(double_helper(name))
+
+    def _add(self, source: str) -> None:
+        if source not in self.sources:
+            self.sources.append(source)
 
 
 def _called(names, text: str) -> list[str]:
@@ -157,11 +175,19 @@ def op_expression(node: Node, arguments: list[str], helpers: Helpers) -> str:
         return cast_expression(node.inputs[0].dtype, node.dtype, arguments[0])
     op = get_op(node.op)
     category = node.inputs[-1].dtype.category
-    literals = {key: attr_literal(value) for key, value in node.attrs}
+    double = category == 2 and computes_double(node)
+    literal_type = dtypes.float64 if double else dtypes.float32
+    literals = {key: attr_literal(value, literal_type) for key, value in node.attrs}
     narrow = node.dtype in (dtypes.float16, dtypes.bfloat16)
     text = op.expression(category, narrow).format(*arguments, **literals)
-    helpers.need(op.helpers, used_in=text)
-    return text
+    if not double:
+        helpers.need(op.helpers, used_in=text)
+        return text
+    helpers.need_double(op.helpers, used_in=text)
+    try:
+        return double_text(text, node.op)
+    except Float64Unsupported as error:
+        raise Float64Unsupported(f"{node.op}: {error}") from None
 
 
 def generated_expression(node: Node, index: str, helpers: Helpers) -> str:
@@ -171,6 +197,8 @@ def generated_expression(node: Node, index: str, helpers: Helpers) -> str:
     category = node.dtype.category if node.op == "arange" else 2
     literals = {key: c_literal(value, node.dtype) for key, value in node.attrs if key != "seed"}
     text = op.expression(category).format(index=index, seed=node.attr("seed", 0), **literals)
+    if category == 2 and node.op == "arange" and node.dtype is dtypes.float64:
+        return double_text(text, node.op)  # random numbers keep float32 resolution
     if category == 2:
         return cast_expression(dtypes.float32, node.dtype, text)
     return text

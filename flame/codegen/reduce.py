@@ -47,6 +47,7 @@ from flame.codegen.reduce_space import (
 from flame.codegen.reduce_strips import (
     accumulator,
     atomic_outputs,
+    combine,
     rows_strips_totals,
     strip_sum,
 )  # fmt: skip
@@ -217,6 +218,11 @@ class _ReduceWriter(RowLoads):
         self.loop_items = items if self.columns else self.items
 
     def _vectorizable(self) -> bool:
+        widest = max([r.base.dtype.itemsize for r in self.reads if not r.generated], default=1)
+        rows = [node for node in self.group.outputs if node.shape == self.shape]
+        widest = max([widest] + [node.dtype.itemsize for node in rows])
+        if widest * VECTOR_LANES > 16:  # vectors of 16 bytes at most: their alignment
+            return False
         for position, read in enumerate(self.reads):
             if id(read.top) in self.scalar_values or read.generated:
                 continue
@@ -290,13 +296,13 @@ class _ReduceWriter(RowLoads):
             op = get_op(node.op)
             ctype, letter = accumulator(node)
             identity = op.cuda["identity"][letter]
-            self.helpers.need(op.helpers)
+            combine_text = combine(node, self.helpers)
             init.append(f"{ctype} {name} = {identity};")
             value = self._value(node.inputs[0], values)
-            lane.append(f"{name} = {op.cuda['combine'].format(name, f'({ctype}){value}')};")
+            lane.append(f"{name} = {combine_text.format(name, f'({ctype}){value}')};")
             shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
-            accumulators.append((name, ctype, identity, op.cuda["combine"].format(name, shuffled)))
-            combines.append(op.cuda["combine"])
+            accumulators.append((name, ctype, identity, combine_text.format(name, shuffled)))
+            combines.append(combine_text)
             self.scalar_values[id(node)] = name
         finish.extend(self._scalar_statements(number))
         return {"init": init, "chunk": chunk, "lane": lane, "accumulators": accumulators,

@@ -16,6 +16,7 @@ writes them once at the end, in one of two ways:
 from __future__ import annotations
 
 from flame.codegen.common import store
+from flame.codegen.doubles import double_text
 from flame.ir import dtypes
 from flame.ir.ops import get_op
 
@@ -56,7 +57,7 @@ def strip_sum(writer, node, values, lane) -> None:
     op = get_op(node.op)
     ctype, letter = accumulator(node)
     identity = op.cuda["identity"][letter]
-    writer.helpers.need(op.helpers)
+    combine_text = combine(node, writer.helpers)
     name = f"column{writer.columns.index(node)}"
     items, lanes = writer.loop_items, writer.lanes
     writer.column_lines["declare"].append(
@@ -67,7 +68,7 @@ def strip_sum(writer, node, values, lane) -> None:
     )
     value = writer._value(node.inputs[0], values)
     slot = f"{name}[item][k]"
-    lane.append(f"{slot} = {op.cuda['combine'].format(slot, f'({ctype}){value}')};")
+    lane.append(f"{slot} = {combine_text.format(slot, f'({ctype}){value}')};")
     total = next((p for p, t in writer.atomic.items() if t.inputs[0] is node), None)
     if total is not None:
         writer.column_lines["store"].extend(_atomic_add(f"out{total}", name, lanes))
@@ -95,12 +96,28 @@ def _atomic_add(target: str, name: str, lanes: int) -> list[str]:
 
 
 def accumulator(node) -> tuple[str, str]:
-    """C type and identity key of a reduction's accumulator."""
+    """C type and identity key of a reduction's accumulator: float for 16- and 32-bit
+    floats, double for float64; 8- and 16-bit integers take the max/min of an int (whose
+    identities they can hold)."""
     source = node.inputs[0].dtype
     if source.is_float:
-        return "float", "f"
+        return ("double" if source is dtypes.float64 else "float"), "f"
     if node.op in ("reduce_sum", "reduce_prod"):
         return "long long", "i"
     if source.is_bool:
         return "int", "b"
+    if source.itemsize < 4:
+        return "int", "i32"
     return source.c_compute, ("i32" if source is dtypes.int32 else "i")
+
+
+def combine(node, helpers) -> str:
+    """A reduction's combine expression (``{0}`` the accumulator, ``{1}`` the new value),
+    with the helpers it calls added to ``helpers``: in double for float64."""
+    op = get_op(node.op)
+    text = op.cuda["combine"]
+    if node.inputs[0].dtype is not dtypes.float64:
+        helpers.need(op.helpers)
+        return text
+    helpers.need_double(op.helpers, used_in=text)
+    return double_text(text, node.op)

@@ -45,21 +45,27 @@ class KernelSpec(Record, frozen=True):
 
 
 def c_literal(value, dtype: DType) -> str:
-    """A C literal of ``value`` in ``dtype``'s compute type (exact for float32)."""
+    """A C literal of ``value`` in ``dtype``'s compute type (exact for float32 and float64)."""
     if dtype.is_bool:
         return "true" if value else "false"
     if dtype.is_int:
         suffix = "LL" if dtype.itemsize == 8 else ""
         return f"{int(value)}{suffix}"
-    return float_literal(value)
+    return float_literal(value, double=dtype.c_compute == "double")
 
 
-def float_literal(value) -> str:
+def float_literal(value, double: bool = False) -> str:
+    """A float literal (rounded to float32), or a double one with ``double``."""
     import numpy as np
 
-    value = float(np.float32(value))
+    value = float(value) if double else float(np.float32(value))
     if math.isnan(value):
+        if double:
+            return "__longlong_as_double(0x7ff8000000000000LL)"
         return "__int_as_float(0x7fffffff)"
     if math.isinf(value):
+        if double:
+            bits = "0x7ff0000000000000LL" if value > 0 else "0xfff0000000000000LL"
+            return f"__longlong_as_double({bits})"
         return "__int_as_float(0x7f800000)" if value > 0 else "__int_as_float(0xff800000)"
-    return f"{value!r}f"
+    return repr(value) if double else f"{value!r}f"

@@ -4,7 +4,8 @@ Promotion follows PyTorch:
 
 * categories are ordered ``bool < integer < floating``; a binary op's result takes the higher
   category, and within a category the wider type;
-* ``float16`` with ``bfloat16`` gives ``float32`` (neither holds the other);
+* two types of one width that hold different values give the next wider type: ``float16``
+  with ``bfloat16`` gives ``float32``, ``uint8`` with ``int8`` gives ``int16``;
 * Python scalars are *weak*: they only raise the category. ``int32_tensor + 2`` stays ``int32``,
   ``int32_tensor + 2.5`` becomes ``float32`` (the default float), ``float16_tensor * 2.0`` stays
   ``float16``;
@@ -12,6 +13,13 @@ Promotion follows PyTorch:
   ``float16[n] + float32[]`` is ``float16``, ``int32[n] + int64[]`` is ``int32``, and
   ``int32[n] + float16[]`` is ``float16`` (the zero-dimensional tensor's dtype when its category
   is higher). Among tensors of one kind the table below applies (``result_type``).
+
+The table (``a \\ b``, symmetric) for the dtypes FLAME started with. The others fit by
+width (``rank``) inside their category: ``int8 = uint8 < int16 < int32 < int64`` and
+``float16 = bfloat16 < float32 < float64``. So ``uint8`` with ``int8`` gives ``int16``,
+``int8`` with ``int32`` gives ``int32``, ``int16`` with ``float16`` gives ``float16``, and
+``float64`` with any dtype gives ``float64`` (tests/test_small_ints.py checks every pair
+against ``torch.promote_types``).
 
 | a \\ b      | bool  | int32 | int64 | float16 | bfloat16 | float32 |
 | ---------- | ----- | ----- | ----- | ------- | -------- | ------- |
@@ -21,6 +29,10 @@ Promotion follows PyTorch:
 | float16    | f16   | f16   | f16   | float16 | float32  | float32 |
 | bfloat16   | bf16  | bf16  | bf16  | float32 | bfloat16 | float32 |
 | float32    | f32   | f32   | f32   | float32 | float32  | float32 |
+
+Compute types: 8- and 16-bit integers compute in their own C type (``signed char``, ...), so
+every intermediate wraps as PyTorch's does; float16/bfloat16 compute in ``float``; float64
+computes in ``double`` (the code generator gives its kernels the double math functions).
 """
 
 from __future__ import annotations
@@ -56,6 +68,12 @@ class DType:
     def is_bool(self) -> bool:
         return self.category == 0
 
+    @property
+    def numpy_compute(self) -> np.dtype:
+        """The NumPy dtype arithmetic on this type runs in, as in the kernels (``c_compute``):
+        float16/bfloat16 in float32, every other type in itself."""
+        return np.dtype(np.float32) if self.c_compute == "float" else self.numpy
+
     def __repr__(self) -> str:
         return f"flame.{self.name}"
 
@@ -64,6 +82,9 @@ class DType:
 
 
 bool_ = DType("bool", "b8", 0, 0, 1, np.dtype(np.bool_), "bool", "bool")
+uint8 = DType("uint8", "u8", 1, 0, 1, np.dtype(np.uint8), "unsigned char", "unsigned char")
+int8 = DType("int8", "i8", 1, 0, 1, np.dtype(np.int8), "signed char", "signed char")
+int16 = DType("int16", "i16", 1, 1, 2, np.dtype(np.int16), "short", "short")
 int32 = DType("int32", "i32", 1, 2, 4, np.dtype(np.int32), "int", "int")
 int64 = DType("int64", "i64", 1, 3, 8, np.dtype(np.int64), "long long", "long long")
 float16 = DType("float16", "f16", 2, 1, 2, np.dtype(np.float16), "unsigned short", "float")
@@ -71,14 +92,23 @@ bfloat16 = DType(
     "bfloat16", "bf16", 2, 1, 2, np.dtype(ml_dtypes.bfloat16), "unsigned short", "float"
 )
 float32 = DType("float32", "f32", 2, 2, 4, np.dtype(np.float32), "float", "float")
+float64 = DType("float64", "f64", 2, 3, 8, np.dtype(np.float64), "double", "double")
 
-ALL = (bool_, int32, int64, float16, bfloat16, float32)
-FLOATS = (float16, bfloat16, float32)
+ALL = (bool_, uint8, int8, int16, int32, int64, float16, bfloat16, float32, float64)
+FLOATS = (float16, bfloat16, float32, float64)
+SMALL_INTS = (uint8, int8, int16)  # compute in their own width: every value wraps
 DEFAULT_FLOAT = float32
 DEFAULT_INT = int64
+# two types of one width holding different values promote to this type of the next width
+_WIDER = {1: int16, 2: float32}
 
 _BY_NAME = {d.name: d for d in ALL}
-_BY_NAME.update({"bool_": bool_, "half": float16, "float": float32, "long": int64, "int": int32})
+_BY_NAME.update(
+    {
+        "bool_": bool_, "half": float16, "float": float32, "long": int64, "int": int32,
+        "double": float64, "short": int16, "char": int8, "byte": uint8,
+    }
+)  # fmt: skip
 _BY_NUMPY = {d.numpy: d for d in ALL}
 
 
@@ -109,8 +139,8 @@ def promote(a: DType, b: DType) -> DType:
         return a
     if a.category != b.category:
         return a if a.category > b.category else b
-    if a.rank == b.rank:  # float16 vs bfloat16
-        return float32
+    if a.rank == b.rank:  # float16 vs bfloat16, uint8 vs int8
+        return _WIDER[a.category]
     return a if a.rank > b.rank else b
 
 

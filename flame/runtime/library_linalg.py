@@ -1,11 +1,12 @@
 """``matmul`` on the GPU: cuBLAS ``gemmEx`` / ``gemmStridedBatchedEx`` (flame/runtime/cublas.py:
 bound with ctypes, so products can be captured into CUDA graphs).
 
-All three float dtypes take one path (CuPy's ``matmul`` would choose its own compute type
+All four float dtypes take one path (CuPy's ``matmul`` would choose its own compute type
 and copy non-contiguous inputs): float32 computes in IEEE float32 (``CUBLAS_COMPUTE_32F``,
 TF32 tensor cores off even where the handle's math mode allows them) or, when the node says
 ``precision="tf32"``, with ``CUBLAS_COMPUTE_32F_FAST_TF32``; float16 and bfloat16 (uint16
-bits) run on tensor cores and accumulate in float32.
+bits) run on tensor cores and accumulate in float32; float64 computes in double
+(``CUBLAS_COMPUTE_64F``, alpha and beta double too).
 
 cuBLAS is column-major. A row-major ``out = left @ right`` is computed as the column-major
 ``out^T = right^T @ left^T``: a row-major operand is already the transposed matrix cuBLAS
@@ -33,15 +34,21 @@ from flame.runtime.library import implements
 OP_N, OP_T = 0, 1
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+CUBLAS_COMPUTE_64F = 70
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH = 0, 3
-CUDA_DATA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 14}  # cudaDataType_t
+CUDA_DATA_TYPE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}  # cudaDataType_t
 INT_LIMIT = 2**31 - 1  # cuBLAS takes sizes and leading dimensions as int
-# alpha and beta are read from host memory (cuBLAS's default pointer mode); the compute
-# types used here are all 32F, so they are float32
-_ONE = np.ones((), np.float32)
-_ZERO = np.zeros((), np.float32)
-_ONE_POINTER, _ZERO_POINTER = _ONE.ctypes.data, _ZERO.ctypes.data  # alive as long as the module
+# alpha and beta are read from host memory (cuBLAS's default pointer mode), in the compute
+# type's precision: float32 for the 32F compute types, double for 64F
+_SCALARS = {
+    compute: (np.ones((), dtype), np.zeros((), dtype))
+    for compute, dtype in ((CUBLAS_COMPUTE_32F, np.float32), (CUBLAS_COMPUTE_64F, np.float64))
+}  # alive as long as the module: cuBLAS reads them through their addresses
+_SCALARS[CUBLAS_COMPUTE_32F_FAST_TF32] = _SCALARS[CUBLAS_COMPUTE_32F]
+_POINTERS = {
+    compute: (one.ctypes.data, zero.ctypes.data) for compute, (one, zero) in _SCALARS.items()
+}
 
 
 @dataclass(frozen=True)
@@ -250,16 +257,17 @@ def _issue(call: GemmCall, handle: int, data_type: int, compute_type: int) -> No
     largest = max(call.m, call.n, call.k, call.lda, call.ldb, call.ldc, call.count)
     if largest > INT_LIMIT:
         raise ValueError(f"matmul: size {largest} exceeds cuBLAS's int range")
-    head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, _ONE_POINTER)
+    one, zero = _POINTERS[compute_type]
+    head = (handle, call.transpose_a, call.transpose_b, call.m, call.n, call.k, one)
     if call.count == 1:
         cublas.GemmEx(
             *head, call.a, data_type, call.lda, call.b, data_type, call.ldb,
-            _ZERO_POINTER, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
+            zero, call.c, data_type, call.ldc, compute_type, CUBLAS_GEMM_DEFAULT,
         )  # fmt: skip
         return
     cublas.GemmStridedBatchedEx(
         *head, call.a, data_type, call.lda, call.stride_a, call.b, data_type, call.ldb,
-        call.stride_b, _ZERO_POINTER, call.c, data_type, call.ldc, call.stride_c,
+        call.stride_b, zero, call.c, data_type, call.ldc, call.stride_c,
         call.count, compute_type, CUBLAS_GEMM_DEFAULT,
     )  # fmt: skip
 
@@ -284,7 +292,7 @@ def matmul(node: Node, arrays: list):
         return out.reshape(node.shape)
     calls, _alive = cached_gemms(left, right, out, cupy, lambda array: array.data.ptr)
     precision = node.attr("precision", "highest")
-    compute = CUBLAS_COMPUTE_32F
+    compute = CUBLAS_COMPUTE_64F if dtype is dtypes.float64 else CUBLAS_COMPUTE_32F
     if dtype is dtypes.float32 and precision == "tf32":
         compute = CUBLAS_COMPUTE_32F_FAST_TF32
     handle = cupy.cuda.device.get_cublas_handle()
