@@ -3,15 +3,21 @@ declared in the registry; this module adds only PyTorch's argument names and che
 
 from __future__ import annotations
 
-from flame.tensor import Tensor, _fast_binary, _fast_unary, apply, clamp
+import ml_dtypes
+
+import flame.tensor as _tensor_module
+from flame.ir.node import user_site
+from flame.tensor import Tensor, _fast_binary, _fast_unary, _with_site, apply
 
 UNARY = (
     "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu erf floor ceil round "
-    "sign reciprocal logical_not bitwise_not"
+    "sign reciprocal logical_not bitwise_not erfinv exp2 log2 log10 asin acos atan sinh cosh "
+    "tan asinh acosh atanh trunc"
 ).split()
 BINARY = (
-    "add sub mul div floordiv remainder pow maximum minimum eq ne lt le gt ge "
-    "bitwise_and bitwise_or bitwise_xor"
+    "add sub mul floordiv remainder maximum minimum eq ne lt le gt ge "
+    "bitwise_and bitwise_or bitwise_xor atan2 copysign fmod logaddexp "
+    "bitwise_left_shift bitwise_right_shift clamp_min clamp_max"
 ).split()
 
 
@@ -53,12 +59,153 @@ def where(condition, x, y):
     return apply("where", condition, x, y)
 
 
+def _refuse(error: Exception):
+    return _with_site(error, user_site())
+
+
+# --- predicates and nan_to_num ----------------------------------------------------------------
+# built through ``apply``: the fast unary path keeps the input's dtype, these give bool
+
+
+def isnan(x):
+    return apply("isnan", x)
+
+
+def isinf(x):
+    return apply("isinf", x)
+
+
+def isfinite(x):
+    return apply("isfinite", x)
+
+
+def nan_to_num(x, nan: float = 0.0, posinf=None, neginf=None):
+    """NaN -> ``nan``, +inf -> ``posinf``, -inf -> ``neginf``; None: the largest finite value
+    of ``x``'s dtype (65504 for float16), as PyTorch. Integers and bools pass unchanged."""
+    if isinstance(x, Tensor) and x.dtype.is_float:
+        largest = float(ml_dtypes.finfo(x.dtype.numpy).max)
+        posinf = largest if posinf is None else float(posinf)
+        neginf = -largest if neginf is None else float(neginf)
+    return apply("nan_to_num", x, nan=float(nan), posinf=posinf, neginf=neginf)
+
+
+# --- clamp --------------------------------------------------------------------------------------
+
+
+def clamp(x, min=None, max=None) -> Tensor:  # noqa: A002 (PyTorch's names)
+    """``min(max(x, min), max)`` as one op: NaN in ``x`` or a bound gives NaN, and the
+    gradient passes where ``min <= x <= max``, the bounds included (as PyTorch)."""
+    if min is None and max is None:
+        raise _refuse(ValueError("clamp: at least one of min and max must be given"))
+    if max is None:
+        return apply("clamp_min", x, min)
+    if min is None:
+        return apply("clamp_max", x, max)
+    return apply("clamp", x, min, max)
+
+
+clip = clamp
+
+
+# --- division and powers --------------------------------------------------------------------
+
+_true_divide = _fast_binary("div")
+_fast_pow = _fast_binary("pow")
+
+
+def div(x, other, *, rounding_mode=None):
+    """``x / other``; ``rounding_mode="trunc"`` rounds toward zero, ``"floor"`` down (then
+    integers stay integers), as PyTorch. A rounded quotient has a zero gradient."""
+    if rounding_mode is None:
+        return _true_divide(x, other)
+    if rounding_mode == "trunc":
+        remainder = fmod(x, other)  # promotes, and refuses bools, as PyTorch's div does
+        if remainder.dtype.is_float:
+            return trunc(_true_divide(x, other))  # PyTorch's own formula
+        return _FUNCTIONS["floordiv"](x - remainder, other)  # an exact multiple of other
+    if rounding_mode == "floor":
+        # floordiv has no gradient rule; the rounded quotient's gradient is 0 (detached)
+        operands = [value.detach() if isinstance(value, Tensor) else value for value in (x, other)]
+        return _FUNCTIONS["floordiv"](*operands)
+    raise _refuse(
+        ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
+    )
+
+
+def pow(x, exponent):  # noqa: A001 (PyTorch's name)
+    """``x ** exponent``. An integer tensor to a negative Python integer is refused, as in
+    PyTorch (an integer tensor exponent gives 0 there, as C's integer division)."""
+    if (
+        isinstance(x, Tensor)
+        and not x.dtype.is_float
+        and isinstance(exponent, int)
+        and not isinstance(exponent, bool)
+        and exponent < 0
+    ):
+        raise _refuse(
+            RuntimeError(
+                "pow: Integers to negative integer powers are not allowed "
+                f"({x.dtype.name}{list(x.shape)} ** {exponent})"
+            )
+        )
+    return _fast_pow(x, exponent)
+
+
+# --- composites with PyTorch's formulas ---------------------------------------------------------
+
+
+def lerp(input, end, weight):  # noqa: A002
+    """``input + weight * (end - input)``, as PyTorch computes it: from ``end`` where
+    ``|weight| >= 0.5``, so weight 1 gives ``end`` exactly."""
+    for value in (input, end, weight):
+        if isinstance(value, Tensor) and not value.dtype.is_float:
+            raise _refuse(TypeError(f"lerp: needs float tensors, got {value.dtype.name}"))
+    difference = end - input
+    if not isinstance(weight, Tensor):
+        if abs(weight) < 0.5:
+            return input + weight * difference
+        return end - difference * (1.0 - weight)
+    small = weight.abs() < 0.5
+    return where(small, input + weight * difference, end - difference * (1.0 - weight))
+
+
+def addcmul(input, tensor1, tensor2, *, value=1):  # noqa: A002
+    """``input + value * tensor1 * tensor2``."""
+    return input + value * tensor1 * tensor2
+
+
+def addcdiv(input, tensor1, tensor2, *, value=1):  # noqa: A002
+    """``input + value * tensor1 / tensor2``; integer division is refused, as in PyTorch."""
+    if all(isinstance(t, Tensor) and not t.dtype.is_float for t in (tensor1, tensor2)):
+        shown = f"{tensor1.dtype.name}{list(tensor1.shape)} / {tensor2.dtype.name}"
+        raise _refuse(RuntimeError(f"addcdiv: integer division is not supported ({shown})"))
+    return input + value * tensor1 / tensor2
+
+
 _FUNCTIONS.update(gelu=gelu, leaky_relu=leaky_relu, softplus=softplus)
+_FUNCTIONS.update(
+    isnan=isnan, isinf=isinf, isfinite=isfinite, nan_to_num=nan_to_num, clip=clip,
+    div=div, pow=pow, lerp=lerp, addcmul=addcmul, addcdiv=addcdiv,
+)  # fmt: skip
+_FUNCTIONS["fix"] = _FUNCTIONS["trunc"]
 for _name, _function in _FUNCTIONS.items():
     if not hasattr(Tensor, _name):
         setattr(Tensor, _name, _function)
 globals().update(_FUNCTIONS)
-true_divide = _FUNCTIONS["div"]
+true_divide = _true_divide
+divide = div
 negative = _FUNCTIONS["neg"]
+floor_divide = _FUNCTIONS["floordiv"]
 
-__all__ = [*_FUNCTIONS, "where", "clamp", "true_divide", "negative"]
+# Methods tensor.py defines too, replaced here so that they follow PyTorch at the edges:
+# clamp's gradient at the bounds, div's rounding_mode, ``int_tensor ** -1`` refused.
+# (flame/__init__.py imports ``clamp`` from flame.tensor after this module: the module
+# attribute is pointed here as well until it imports it from here.)
+Tensor.clamp = Tensor.clip = clamp
+Tensor.div = Tensor.divide = div
+Tensor.pow = Tensor.__pow__ = pow
+_tensor_module.clamp = clamp
+
+__all__ = [
+    *_FUNCTIONS, "where", "clamp", "true_divide", "divide", "negative", "floor_divide",
+]  # fmt: skip

@@ -5,21 +5,65 @@ kernel, ``argmax`` a max and a min of candidate indices in one kernel."""
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
 from flame.functional import where
 from flame.ir import dtypes
+from flame.ir.node import user_site
 from flame.ir.shapes import prod
-from flame.tensor import Tensor, apply_op
+from flame.tensor import Tensor, _with_site, apply_op
 from flame.views import normalize_axes, reshape
 
 ValuesIndices = namedtuple("ValuesIndices", ["values", "indices"])
 
 
-def _reduce(op: str, x: Tensor, dim, keepdim: bool, name: str) -> Tensor:
+def _axes(x: Tensor, dim, name: str) -> tuple[int, ...]:
+    """``dim`` as sorted non-negative axes; a 0-d tensor takes ``dim`` 0 or -1 (as PyTorch)
+    and has no axis to reduce. Errors name the op and the user's line."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a flame.Tensor, got {type(x).__name__}")
-    axes = normalize_axes(dim, x.ndim, name)
+        raise _with_site(
+            TypeError(f"{name}: expected a flame.Tensor, got {type(x).__name__}"), user_site()
+        )
+    try:
+        axes = normalize_axes(dim, x.ndim, name)
+    except (IndexError, TypeError, ValueError) as error:
+        raise _with_site(error, user_site()) from None
+    return () if x.ndim == 0 else axes
+
+
+def _dim(dim, axis, name: str):
+    """PyTorch's ``axis=`` alias of ``dim=``."""
+    if axis is None:
+        return dim
+    if dim is not None:
+        raise _with_site(TypeError(f"{name}: got both dim= and axis="), user_site())
+    return axis
+
+
+def _nonempty(x: Tensor, axes, dim, name: str) -> None:
+    """max/min-like reductions have no identity: over an empty axis they refuse, as PyTorch
+    does (IndexError with a dim, RuntimeError over the whole of an empty tensor)."""
+    empty = [axis for axis in axes if x.shape[axis] == 0]
+    if not empty:
+        return
+    shape = list(x.shape)
+    if dim is None:
+        error = RuntimeError(
+            f"{name}: cannot reduce an empty tensor of shape {shape} without dim= "
+            "(the reduction has no identity)"
+        )
+    else:
+        error = IndexError(
+            f"{name}: expected reduction dim {empty[0]} to have non-zero size, got shape {shape}"
+        )
+    raise _with_site(error, user_site())
+
+
+def _reduce(op: str, x: Tensor, dim, keepdim: bool, name: str) -> Tensor:
+    axes = _axes(x, dim, name)
+    if op in ("reduce_max", "reduce_min") and name not in ("any", "all"):
+        _nonempty(x, axes, dim, name)
     if not axes:
         return (
             x.to(dtypes.int64)
@@ -31,104 +75,140 @@ def _reduce(op: str, x: Tensor, dim, keepdim: bool, name: str) -> Tensor:
 
 
 def _drop(result: Tensor, axes) -> Tensor:
+    if not axes:
+        return result
     return reshape(result, tuple(s for axis, s in enumerate(result.shape) if axis not in axes))
 
 
-def _count(x: Tensor, dim) -> int:
-    return prod(x.shape[axis] for axis in normalize_axes(dim, x.ndim, "mean"))
+def _count(x: Tensor, axes) -> int:
+    return prod(x.shape[axis] for axis in axes)
 
 
-def sum(x, dim=None, keepdim=False, dtype=None):  # noqa: A001 (PyTorch's name)
+def sum(x, dim=None, keepdim=False, dtype=None, *, axis=None):  # noqa: A001 (PyTorch's name)
     """Sum over ``dim`` (all axes when None). float16/bfloat16 accumulate in float32; bool
     and integers sum to int64."""
     if dtype is not None:
         x = x.to(dtype)
-    return _reduce("reduce_sum", x, dim, keepdim, "sum")
+    return _reduce("reduce_sum", x, _dim(dim, axis, "sum"), keepdim, "sum")
 
 
-def prod_(x, dim=None, keepdim=False, dtype=None):
+def prod_(x, dim=None, keepdim=False, dtype=None, *, axis=None):
     if dtype is not None:
         x = x.to(dtype)
-    return _reduce("reduce_prod", x, dim, keepdim, "prod")
+    return _reduce("reduce_prod", x, _dim(dim, axis, "prod"), keepdim, "prod")
 
 
-def amax(x, dim=None, keepdim=False):
-    return _reduce("reduce_max", x, dim, keepdim, "amax")
+def amax(x, dim=None, keepdim=False, *, axis=None):
+    return _reduce("reduce_max", x, _dim(dim, axis, "amax"), keepdim, "amax")
 
 
-def amin(x, dim=None, keepdim=False):
-    return _reduce("reduce_min", x, dim, keepdim, "amin")
+def amin(x, dim=None, keepdim=False, *, axis=None):
+    return _reduce("reduce_min", x, _dim(dim, axis, "amin"), keepdim, "amin")
 
 
-def max(x, dim=None, keepdim=False):  # noqa: A001
+def max(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
     """The maximum (NaN wins, as in PyTorch); with ``dim``, (values, indices)."""
+    dim = _dim(dim, axis, "max")
     if dim is None:
-        return amax(x)
+        return _reduce("reduce_max", x, None, False, "max")
     return ValuesIndices(amax(x, dim, keepdim), argmax(x, dim, keepdim))
 
 
-def min(x, dim=None, keepdim=False):  # noqa: A001
+def min(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
+    dim = _dim(dim, axis, "min")
     if dim is None:
-        return amin(x)
+        return _reduce("reduce_min", x, None, False, "min")
     return ValuesIndices(amin(x, dim, keepdim), argmin(x, dim, keepdim))
 
 
-def mean(x, dim=None, keepdim=False, dtype=None):
+def mean(x, dim=None, keepdim=False, dtype=None, *, axis=None):
+    """The sum times 1/n; over an empty axis NaN (0 * NaN), as PyTorch."""
+    dim = _dim(dim, axis, "mean")
     if dtype is not None:
         x = x.to(dtype)
     if not x.dtype.is_float:
-        raise TypeError(f"mean: needs a float tensor, got {x.dtype.name} (pass dtype=)")
+        raise _with_site(
+            TypeError(f"mean: needs a float tensor, got {x.dtype.name} (pass dtype=)"),
+            user_site(),
+        )
+    axes = _axes(x, dim, "mean")
+    count = _count(x, axes)
     # scale before dropping axes, so the scaling stays in the reduction's kernel
-    result = sum(x, dim, keepdim=True) * (1.0 / _count(x, dim))
-    return result if keepdim else _drop(result, normalize_axes(dim, x.ndim, "mean"))
+    result = sum(x, axes, keepdim=True) * (1.0 / count if count else math.nan)
+    return result if keepdim else _drop(result, axes)
 
 
-def var(x, dim=None, correction=1, keepdim=False):
+def var(x, dim=None, correction=1, keepdim=False, *, axis=None):
     """Variance with Bessel's ``correction`` (1: unbiased), computed as the mean squared
-    deviation from the mean (two passes over the data, one kernel)."""
+    deviation from the mean (two passes over the data, one kernel). With ``correction >= n``
+    the divisor is 0, as in PyTorch: inf, or NaN where every deviation is 0 (or n is 0)."""
+    dim = _dim(dim, axis, "var")
     if not x.dtype.is_float:
-        raise TypeError(f"var: needs a float tensor, got {x.dtype.name}")
-    count = _count(x, dim)
-    deviation = x - mean(x, dim, keepdim=True)
-    result = sum(deviation * deviation, dim, keepdim=True) * (1.0 / _max(count - correction, 0))
-    return result if keepdim else _drop(result, normalize_axes(dim, x.ndim, "var"))
+        raise _with_site(
+            TypeError(f"var: needs a float tensor, got {x.dtype.name}"), user_site()
+        )
+    axes = _axes(x, dim, "var")
+    divisor = _max(_count(x, axes) - correction, 0)
+    center = mean(x, axes, keepdim=True)
+    if not divisor:
+        # x * inf: the mean's branch of the backward would add inf - inf (NaN) to the
+        # cotangent 2 * (x - mean) / 0 that PyTorch gives; the mean's share is 0 in any case
+        center = center.detach()
+    deviation = x - center
+    scale = 1.0 / divisor if divisor else math.inf
+    result = sum(deviation * deviation, axes, keepdim=True) * scale
+    return result if keepdim else _drop(result, axes)
 
 
 def _max(a, b):
     return a if a > b else b
 
 
-def std(x, dim=None, correction=1, keepdim=False):
+def std(x, dim=None, correction=1, keepdim=False, *, axis=None):
+    dim = _dim(dim, axis, "std")
     result = var(x, dim, correction, keepdim=True).sqrt()
-    return result if keepdim else _drop(result, normalize_axes(dim, x.ndim, "std"))
+    return result if keepdim else _drop(result, _axes(x, dim, "std"))
 
 
-def logsumexp(x, dim, keepdim=False):
-    """log(sum(exp(x))) without overflow: the row's max is taken out first."""
+def logsumexp(x, dim=None, keepdim=False, *, axis=None):
+    """log(sum(exp(x))) without overflow: the row's max is taken out first (over an empty
+    axis: log(0) = -inf, as PyTorch)."""
+    dim = _dim(dim, axis, "logsumexp")
+    axes = _axes(x, dim, "logsumexp")
+    if not _count(x, axes):
+        result = sum(x.exp(), axes, keepdim=True).log()
+        return result if keepdim else _drop(result, axes)
     peak = amax(x, dim, keepdim=True)
     finite_peak = where(peak.abs() == float("inf"), 0.0, peak)
     total = sum((x - finite_peak).exp(), dim, keepdim=True)
     result = total.log() + finite_peak
-    return result if keepdim else _drop(result, normalize_axes(dim, x.ndim, "logsumexp"))
+    return result if keepdim else _drop(result, axes)
 
 
-def any(x, dim=None, keepdim=False):  # noqa: A001
-    return _reduce("reduce_max", x.to(dtypes.bool_), dim, keepdim, "any")
+def any(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
+    """True where any element is; over an empty axis False (the identity), as PyTorch."""
+    return _reduce("reduce_max", x.to(dtypes.bool_), _dim(dim, axis, "any"), keepdim, "any")
 
 
-def all(x, dim=None, keepdim=False):  # noqa: A001
-    return _reduce("reduce_min", x.to(dtypes.bool_), dim, keepdim, "all")
+def all(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
+    """True where every element is; over an empty axis True (the identity), as PyTorch."""
+    return _reduce("reduce_min", x.to(dtypes.bool_), _dim(dim, axis, "all"), keepdim, "all")
 
 
 def _arg(x: Tensor, dim, keepdim, pick, name) -> Tensor:
     if dim is None:
+        _nonempty(x, _axes(x, None, name), None, name)
         flat = reshape(x, (-1,))
         return (
             _arg(flat, 0, False, pick, name)
             if not keepdim
             else reshape(_arg(flat, 0, False, pick, name), (1,) * x.ndim)
         )
-    (axis,) = normalize_axes(dim, x.ndim, name)
+    axes = _axes(x, dim, name)
+    if x.ndim == 0:  # the one element is at index 0
+        return where(x == x, 0, 0).to(dtypes.int64)
+    _nonempty(x, axes, dim, name)
+    (axis,) = axes
     best = pick(x, axis, keepdim=True)
     shape = [1] * x.ndim
     shape[axis] = x.shape[axis]
@@ -140,13 +220,13 @@ def _arg(x: Tensor, dim, keepdim, pick, name) -> Tensor:
     return amin(candidate, axis, keepdim)
 
 
-def argmax(x, dim=None, keepdim=False):
+def argmax(x, dim=None, keepdim=False, *, axis=None):
     """Index of the first maximum (of the first NaN, as in PyTorch)."""
-    return _arg(x, dim, keepdim, amax, "argmax")
+    return _arg(x, _dim(dim, axis, "argmax"), keepdim, amax, "argmax")
 
 
-def argmin(x, dim=None, keepdim=False):
-    return _arg(x, dim, keepdim, amin, "argmin")
+def argmin(x, dim=None, keepdim=False, *, axis=None):
+    return _arg(x, _dim(dim, axis, "argmin"), keepdim, amin, "argmin")
 
 
 for _name, _function in (

@@ -34,13 +34,30 @@ def _reduce_rule(widen: bool):
     return rule
 
 
-def _reference(function, widen):
+def _reference(function, widen, identity=None):
+    """``identity(dtype)``: the value over an empty axis (max and min have none in NumPy;
+    only ``any``/``all`` reach them with an empty axis, the front end refuses the rest)."""
+
     def ref(x, axes=()):
         if widen and x.dtype.kind in "biu":
             x = x.astype(np.int64)
+        if identity is not None and x.size == 0:
+            return function(x, axis=tuple(axes), keepdims=True, initial=identity(x.dtype))
         return function(x, axis=tuple(axes), keepdims=True)
 
     return ref
+
+
+def _lowest(dtype):
+    if dtype.kind == "b":
+        return False
+    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+
+
+def _highest(dtype):
+    if dtype.kind == "b":
+        return True
+    return np.inf if dtype.kind == "f" else np.iinfo(dtype).max
 
 
 _MAX_IDENTITY = {
@@ -64,12 +81,12 @@ def_op(
           "identity": {"f": "1.0f", "i": "1LL", "i32": "1LL", "b": "1LL"}},
 )  # fmt: skip
 def_op(
-    "reduce_max", "reduce", 1, ref=_reference(np.max, False), shape_rule=_reduce_rule(False),
+    "reduce_max", "reduce", 1, ref=_reference(np.max, False, _lowest), shape_rule=_reduce_rule(False),
     attrs={"axes": ()}, helpers=("flame_minmax",),
     cuda={"combine": "flame_max({0}, {1})", "identity": _MAX_IDENTITY},
 )  # fmt: skip
 def_op(
-    "reduce_min", "reduce", 1, ref=_reference(np.min, False), shape_rule=_reduce_rule(False),
+    "reduce_min", "reduce", 1, ref=_reference(np.min, False, _highest), shape_rule=_reduce_rule(False),
     attrs={"axes": ()}, helpers=("flame_minmax",),
     cuda={"combine": "flame_min({0}, {1})", "identity": _MIN_IDENTITY},
 )  # fmt: skip
@@ -86,4 +103,14 @@ def _extreme_vjp(F, g, out, x, axes=()):
 def_vjp("reduce_sum", lambda F, g, out, x, axes=(): (F.expand(g, x.shape).to(x.dtype),))
 def_vjp("reduce_max", _extreme_vjp)
 def_vjp("reduce_min", _extreme_vjp)
-def_vjp("reduce_prod", lambda F, g, out, x, axes=(): (F.expand(g * out, x.shape) / x,))
+def _prod_vjp(F, g, out, x, axes=()):
+    """PyTorch's rule: out / x where no element of the slice is 0; where one is, the
+    product of the others at the zero and 0 elsewhere; where several are, 0."""
+    zero = x == 0
+    zeros = F.expand(F.reduce_sum(zero.float(), axes), x.shape)
+    others = F.expand(F.where(zero, 1.0, x).prod(axes, keepdim=True), x.shape)
+    at_zero = F.where(zero & (zeros == 1.0), others, 0.0)
+    return (F.expand(g, x.shape) * F.where(zeros == 0.0, F.expand(out, x.shape) / x, at_zero),)
+
+
+def_vjp("reduce_prod", _prod_vjp)
