@@ -182,6 +182,38 @@ def test_float64_kernels_compile_with_nvrtc(cuda_backend, nvrtc):
         assert nvrtc_compile(source, name, "sm_90")[:4] == b"\x7fELF", name
 
 
+def _registry_float64_cases():
+    """Every registry op that takes floats, with each of its attribute samples, built over
+    float64 operands (``where``'s condition a bool)."""
+    from opinfo import build
+
+    from flame.ir.ops import elementwise_ops
+
+    cases = []
+    for op in elementwise_ops():
+        if not op.accepts(2):
+            continue
+        samples = ({"dtype": F64},) if op.name == "cast" else op.attr_samples
+        for attrs in samples:
+            operands = [fl.from_numpy(np.linspace(0.1, 0.9, 64).reshape(8, 8) + k) for k in
+                        range(op.arity)]  # fmt: skip
+            if op.name == "where":
+                operands[0] = operands[0] > 0.5
+            cases.append((op.name, attrs, build(op.name, operands, attrs)))
+    return cases
+
+
+def test_every_float_op_of_the_registry_renders_in_double(cuda_backend, nvrtc):
+    from flame.runtime.compiler import nvrtc_compile
+
+    for name, attrs, tensor in _registry_float64_cases():
+        for source in sources(tensor):
+            kernel = body(source).replace("__int_as_float", "").replace("_as_double", "")
+            assert "float" not in kernel, (name, attrs)
+            kernel_name = source.split("void __launch_bounds__(")[1].split(") ")[1].split("(")[0]
+            assert nvrtc_compile(source, kernel_name, "sm_90")[:4] == b"\x7fELF", (name, attrs)
+
+
 def test_float32_kernels_have_no_double(cuda_backend):
     x = fl.from_numpy(POINTS.reshape(7, 143).astype(np.float32))
     for source in sources(fl.gelu(x) * x.exp(), x.sum(1), x.amax(0)):
@@ -214,6 +246,17 @@ def test_gpu_float64_ops_match_numpy_in_double(name, cuda_backend):
     result = ours(fl.from_numpy(POINTS.copy()))
     assert result.dtype is F64
     np.testing.assert_allclose(result.numpy(), numpy_function(POINTS), rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.gpu
+def test_gpu_every_float_op_of_the_registry_in_double(cuda_backend):
+    from flame.runtime import reference
+
+    for name, attrs, tensor in _registry_float64_cases():
+        (expected,) = reference.evaluate([tensor.node], precision=np.float64, realized=False)
+        got = tensor.numpy()
+        assert got.dtype == expected.dtype or not tensor.dtype.is_float, (name, attrs)
+        np.testing.assert_allclose(got, expected, rtol=1e-13, atol=1e-14, err_msg=name)
 
 
 @pytest.mark.gpu
