@@ -427,12 +427,12 @@ class CompiledFunction:
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
                 graphs = GraphCache(plan, self._info)
-            if program.generators:
-                call_key = None  # the generated entry skips the generators' advance
             program.fast, program.entry = fast_replay(
                 plan, sources, program.out_nodes, program.flat, program.treedef, graphs,
                 arity=len(placeholders), key=call_key,
             )  # fmt: skip
+            if program.generators and program.entry is not None:
+                program.entry = _drawing(program.entry, program.generators, backend)
             program.key = call_key
         return program
 
@@ -495,6 +495,23 @@ class CompiledFunction:
             )
             for node, value in zip(program.out_nodes, values)
         ]
+
+
+def _drawing(entry, generators, backend: str):
+    """A generated entry of a program that draws random numbers: the generators advance
+    (their state buffers written, stream-ordered) before its launch, and take the numbers
+    back when the entry turns out not to match the call (``MISS``)."""
+
+    def drawing(args):
+        for generator, count in generators:
+            generator._advance_for_call(backend, count)
+        result = entry(args)
+        if result is MISS:
+            for generator, count in generators:
+                generator._take(-count)
+        return result
+
+    return drawing
 
 
 def _write_back(storage, value: Tensor) -> None:

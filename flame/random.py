@@ -122,12 +122,11 @@ class Generator:
         """Before a compiled program's call: its state buffer holds (seed, offset), and the
         offset moves past the program's ``count`` numbers."""
         offset = self._take(count)
-        values = np.array([_as_int64(self._seed), offset], dtype=_INT64)
         storage = self._state_storage(backend)
         if backend == "reference":
-            storage.array[...] = values
+            storage.array[...] = (_as_int64(self._seed), offset)
         else:
-            _uploads().put(values, into=storage.array)
+            _state_uploads().write(_as_int64(self._seed), offset, storage.array.data.ptr)
 
 
 default_generator = Generator()
@@ -142,6 +141,81 @@ def _uploads():
 
         _staged = StagedUploads(slots=16)
     return _staged
+
+
+class _StateUploads:
+    """Copies of a generator's (seed, offset) into its state buffer, one per compiled call:
+    each from its own 16 bytes of one page-locked ring, queued with one driver call on the
+    current stream, so the host neither waits nor allocates. A chunk of the ring is written
+    again only after the event recorded at the end of its last round has passed."""
+
+    SLOTS = 4096
+    CHUNK = 256
+
+    def __init__(self):
+        import cupy
+
+        self._cupy = cupy
+        self._memory = cupy.cuda.alloc_pinned_memory(self.SLOTS * 16)
+        self._values = np.frombuffer(self._memory, dtype=_INT64, count=self.SLOTS * 2)
+        self._address = self._memory.ptr
+        self._events: list = [None] * (self.SLOTS // self.CHUNK)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def write(self, seed: int, offset: int, target: int) -> None:
+        cupy = self._cupy
+        with self._lock:
+            slot = self._next
+            self._next = (slot + 1) % self.SLOTS
+            chunk, place = divmod(slot, self.CHUNK)
+            if place == 0 and self._events[chunk] is not None:
+                self._events[chunk].synchronize()  # that round's copies have run
+            values = self._values
+            values[2 * slot] = seed
+            values[2 * slot + 1] = offset
+            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.memcpyAsync(
+                target, self._address + 16 * slot, 16, cupy.cuda.runtime.memcpyHostToDevice,
+                stream.ptr,
+            )  # fmt: skip
+            if place == self.CHUNK - 1:
+                self._events[chunk] = stream.record()
+
+
+_state_ring = None
+
+
+def _state_uploads() -> _StateUploads:
+    global _state_ring  # one ring for the process, made at the first compiled call that draws
+    if _state_ring is None:
+        _state_ring = _StateUploads()
+    return _state_ring
+
+
+_StagedStorage = None
+
+
+def _staged_storage():
+    """``Storage`` of host values that goes to the GPU through the page-locked staging ring
+    (no host wait) when a kernel first reads it."""
+    global _StagedStorage  # a class, made once
+    if _StagedStorage is None:
+        from flame.runtime.storage import Storage
+
+        class StagedStorage(Storage):
+            __slots__ = ()
+
+            def __init__(self, values):
+                super().__init__("cuda", dtypes.int64, host=values)
+
+            def device_array(self):
+                if self.array is None:
+                    self.array = _uploads().put(self.host)
+                return self.array
+
+        _StagedStorage = StagedStorage
+    return _StagedStorage
 
 
 def manual_seed(seed) -> Generator:
@@ -190,8 +264,8 @@ def _key(generator: Generator, count: int, backend: str) -> tuple[Tensor, Tensor
         values = np.array([_as_int64(generator._seed), offset], dtype=_INT64)
         if backend == "reference":
             storage = Storage("reference", dtypes.int64, array=values)
-        else:
-            storage = Storage("cuda", dtypes.int64, array=_uploads().put(values))
+        else:  # copied to the GPU when a kernel first reads it (building touches no GPU)
+            storage = _staged_storage()(values)
         local = 0
     node = Node("buffer", (), (("storage", storage),), dtypes.int64, (2,), user_site())
     return Tensor(node, backend), local

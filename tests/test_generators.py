@@ -202,3 +202,19 @@ def test_cuda_graph_replays_draw_new_numbers():
         assert not np.array_equal(first[1], second[1]) and not np.array_equal(second[1], third[1])
         fl.manual_seed(5)
         np.testing.assert_array_equal(step(x)[1].numpy(), first[1])
+
+
+@pytest.mark.gpu
+def test_generated_entries_that_miss_give_their_numbers_back():
+    """Two one-kernel programs of one function, called in turn: each call first tries the
+    other's generated entry (a miss), which must not consume numbers."""
+    with fl.backend("cuda"):
+        step = fl.compile(lambda x: x + fl.rand_like(x))
+        inputs = [fl.zeros(16), fl.zeros(16, dtype=fl.float16)] * 3
+        fl.manual_seed(1)
+        compiled = [step(x).numpy() for x in inputs]
+        fl.manual_seed(1)
+        lazy = [(x + fl.rand_like(x)).numpy() for x in inputs]
+        for expected, actual in zip(lazy, compiled):
+            np.testing.assert_allclose(actual, expected, rtol=1e-3)
+        assert step.cache_info().traces == 2
