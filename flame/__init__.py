@@ -56,8 +56,12 @@ from flame.indexing import (
     index_select,
     index_tensor,
     masked_fill,
+    masked_select,
+    nonzero,
     one_hot,
+    scatter,
     scatter_add,
+    scatter_reduce,
     take_along_dim,
 )  # fmt: skip
 from flame.ir.dtypes import (
@@ -140,7 +144,8 @@ __all__ = [
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
-    "optim", "dump", "inference_mode", "Generator", "default_generator", "get_rng_state", "initial_seed",
+    "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
+    "masked_select", "Generator", "default_generator", "get_rng_state", "initial_seed",
     "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
     "randperm",
     *_functional_names,

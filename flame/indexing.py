@@ -12,6 +12,8 @@ neighbours; the others are library ops, fusion boundaries.
 
 from __future__ import annotations
 
+import numpy as np
+
 from flame import creation
 from flame.backend import backend as use_backend
 from flame.functional import where
@@ -155,14 +157,99 @@ def index_tensor(x: Tensor, index) -> Tensor:
     return apply_op("index_tensor", x, index)
 
 
+def _scatter_source(op: str, index: Tensor, src, dtype) -> Tensor:
+    if isinstance(src, Tensor):
+        return src
+    with use_backend(index.backend):
+        return creation.full(index.shape, src, dtype=dtype)
+
+
+def scatter(input: Tensor, dim: int, index: Tensor, src=None, *, value=None, reduce=None):  # noqa: A002
+    """A copy of ``input`` with ``out[index[i][j]][j] = src[i][j]`` (``dim=0``); ``src`` may
+    be a number (or ``value=``). ``reduce='add'|'multiply'`` as PyTorch's (only ``'add'``).
+    Where an index repeats, PyTorch leaves which write wins unspecified; FLAME writes the
+    sum of the repeated values (written with ``scatter_add``, so it fuses and has a vjp)."""
+    if src is None:
+        src = value
+    if src is None:
+        raise at_user_line(TypeError("scatter: give src (a tensor or a number) or value="))
+    _check_tensors("scatter", input=input, index=index)
+    source = _scatter_source("scatter", index, src, input.dtype)
+    if reduce == "add":
+        return scatter_add(input, dim, index, source)
+    if reduce is not None:
+        raise at_user_line(ValueError(f"scatter: reduce must be None or 'add', got {reduce!r}"))
+    return _scatter_replace(input, dim, index, source)
+
+
+def _scatter_replace(input: Tensor, dim: int, index: Tensor, source: Tensor) -> Tensor:  # noqa: A002
+    hits = scatter_add(creation.zeros_like(input), dim, index, creation.ones_like(source))
+    placed = scatter_add(creation.zeros_like(input), dim, index, source)
+    return where(hits > 0, placed, input)
+
+
+def scatter_reduce(
+    input: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *, include_self=True,  # noqa: A002
+) -> Tensor:
+    """``torch.scatter_reduce`` for ``reduce='sum'`` and ``'mean'`` (``amax``, ``amin`` and
+    ``prod`` are not supported yet: an error names them)."""
+    _check_tensors("scatter_reduce", input=input, index=index, src=src)
+    if reduce not in ("sum", "mean"):
+        raise at_user_line(
+            ValueError(f"scatter_reduce: reduce={reduce!r} is not supported (sum, mean)")
+        )
+    summed = scatter_add(creation.zeros_like(input), dim, index, src)
+    counts = scatter_add(creation.zeros_like(input), dim, index, creation.ones_like(src))
+    if include_self:
+        summed, counts = summed + input, counts + 1
+    if reduce == "mean":
+        total = summed / where(counts > 0, counts, 1)
+        if input.dtype.is_int:
+            total = total.floor().to(input.dtype)
+    else:
+        total = summed
+    return total if include_self else where(counts > 0, total, input)
+
+
+def nonzero(input: Tensor, *, as_tuple: bool = False):  # noqa: A002
+    """The indices of the non-zero entries, ``[n, ndim]`` int64 (``as_tuple``: one 1-d tensor
+    per dim). Its size depends on the values: it realizes ``input`` (a sync, as PyTorch's)."""
+    _check_tensors("nonzero", input=input)
+    positions = np.nonzero(np.asarray(input.numpy()))
+    with use_backend(input.backend):
+        if as_tuple:
+            return tuple(creation.tensor(p.astype(np.int64)) for p in positions)
+        stacked = np.stack(positions, axis=1) if positions else np.zeros((0, 0))
+        return creation.tensor(stacked.astype(np.int64).reshape(-1, input.ndim))
+
+
+def masked_select(input: Tensor, mask: Tensor) -> Tensor:  # noqa: A002
+    """The entries of ``input`` where the bool ``mask`` is true, as a 1-d tensor (both
+    broadcast). Its size depends on the mask: it realizes the mask (a sync, as PyTorch's);
+    the gradient flows back to the selected entries."""
+    _check_tensors("masked_select", input=input, mask=mask)
+    if not mask.dtype.is_bool:
+        raise at_user_line(TypeError(f"masked_select: mask must be bool, got {mask.dtype.name}"))
+    try:
+        shape = broadcast_shapes("masked_select", input.shape, mask.shape)
+    except ShapeError as error:
+        raise at_user_line(error) from None
+    flat_mask = np.broadcast_to(np.asarray(mask.numpy()), shape).reshape(-1)
+    with use_backend(input.backend):
+        picks = creation.tensor(np.flatnonzero(flat_mask).astype(np.int64))
+    values = input.broadcast_to(shape) if input.shape != shape else input
+    return index_tensor(values.reshape(-1), picks)
+
+
 for _name, _function in (
     ("gather", gather), ("index_select", index_select), ("take_along_dim", take_along_dim),
-    ("scatter_add", scatter_add), ("masked_fill", masked_fill),
+    ("scatter_add", scatter_add), ("masked_fill", masked_fill), ("scatter", scatter),
+    ("scatter_reduce", scatter_reduce), ("nonzero", nonzero), ("masked_select", masked_select),
 ):  # fmt: skip
     if _name not in Tensor.__dict__:
         setattr(Tensor, _name, _function)
 
 __all__ = [
     "embedding", "gather", "index_select", "index_tensor", "masked_fill", "one_hot",
-    "scatter_add", "take_along_dim",
+    "scatter_add", "take_along_dim", "scatter", "scatter_reduce", "nonzero", "masked_select",
 ]  # fmt: skip
