@@ -274,3 +274,34 @@ def test_bad_input_raises_at_the_users_line(index, reference_backend):
     with pytest.raises(error, match=pattern) as raised:
         build(fl.zeros(4, 5))
     assert "[at test_api_nn_functional.py:" in str(raised.value)
+
+
+# --- gpu tier: activations and losses lowered to kernels, against the reference -----------------
+
+GPU_CASES = [
+    *[(f"{name}-{index}", lambda x, name=name, keywords=keywords: getattr(F, name)(x, **keywords))
+      for index, (name, keywords, _) in enumerate(ACTIVATIONS)],
+    ("cross_entropy_soft", lambda x: F.cross_entropy(x, F.softmax(x * 0.5, 1))),
+    ("cross_entropy_weighted", lambda x: F.cross_entropy(
+        x, fl.tensor(np.arange(4) % 8), x[0].abs() + 0.5, label_smoothing=0.1)),
+    ("bce_logits", lambda x: F.binary_cross_entropy_with_logits(x, (x > 0).float())),
+    ("huber", lambda x: F.huber_loss(x, x * 0.5, delta=0.7)),
+    ("normalize", lambda x: F.normalize(x, dim=1)),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[case[0] for case in GPU_CASES])
+def test_gpu_value_and_gradient_match_reference(case, rng):
+    _, build = case
+    array = smooth_inputs(rng)
+    results = {}
+    for backend in ("reference", "cuda"):
+        with fl.backend(backend):
+            x = fl.from_numpy(array)
+            x.requires_grad_()
+            out = build(x)
+            (out * out).sum().backward()
+            results[backend] = [out.numpy(), x.grad.numpy()]
+    for actual, expected in zip(results["cuda"], results["reference"], strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)

@@ -199,7 +199,8 @@ def test_gpu_matches_reference(case, dtype, rng):
     import flame.runtime.library_scan  # noqa: F401  (registers the CUDA implementations)
 
     _, build = case
-    array = distinct(rng, 64, 300)
+    # order-one values: float32 sums taken in another order differ by a few ulps of the sums
+    array = rng.standard_normal((64, 300)).astype(np.float32)
     with fl.backend("reference"):
         expected = build(fl.from_numpy(array).to(dtype)).numpy()
     with fl.backend("cuda"):
@@ -208,7 +209,7 @@ def test_gpu_matches_reference(case, dtype, rng):
     if expected.dtype.kind == "i":
         np.testing.assert_array_equal(actual, expected)
     else:
-        tolerance = 1e-5 if dtype == "float32" else 1e-2
+        tolerance = 2e-4 if dtype == "float32" else 1e-2
         np.testing.assert_allclose(
             actual.astype(np.float64), expected.astype(np.float64), rtol=tolerance, atol=tolerance
         )
@@ -233,3 +234,28 @@ def test_gpu_gradients_and_nan_ties_match_reference(rng):
     np.testing.assert_allclose(results["cuda"][0], results["reference"][0], rtol=1e-4, atol=1e-5)
     for actual, expected in zip(results["cuda"][1:], results["reference"][1:], strict=True):
         np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dim", [((3, 20000), 1), ((50000,), 0), ((70000, 2), 0)])
+def test_gpu_long_rows_match_reference(shape, dim, rng):
+    """Rows long enough to be cut into blocks: ties (small integers) and NaNs across block
+    boundaries must follow the same rules as one walk along the row."""
+    import flame.runtime.library_scan  # noqa: F401
+
+    ties = rng.integers(-50, 50, shape).astype(np.float32)
+    with_nan = ties.copy()
+    with_nan.reshape(-1)[rng.choice(with_nan.size, 5, replace=False)] = np.nan
+    smooth = rng.standard_normal(shape).astype(np.float32)
+    results = {}
+    for backend in ("reference", "cuda"):
+        with fl.backend(backend):
+            results[backend] = [
+                C.cummax(fl.from_numpy(ties), dim).indices.numpy(),
+                C.cummin(fl.from_numpy(with_nan), dim).indices.numpy(),
+                C.cummax(fl.from_numpy(ties.astype(np.int32)), dim).indices.numpy(),
+                C.logcumsumexp(fl.from_numpy(smooth), dim).numpy(),
+            ]
+    for actual, expected in zip(results["cuda"][:3], results["reference"][:3], strict=True):
+        np.testing.assert_array_equal(actual, expected)
+    np.testing.assert_allclose(results["cuda"][3], results["reference"][3], rtol=1e-5, atol=1e-5)

@@ -293,3 +293,24 @@ def test_bad_input_raises_at_the_users_line(index, reference_backend):
     with pytest.raises(error, match=pattern) as raised:
         build(fl.zeros(3, 4))
     assert "[at test_api_shaping.py:" in str(raised.value)
+
+
+# --- gpu tier: the same compositions lowered to kernels, against the reference ------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gpu_value_and_gradient_match_reference(case, rng):
+    _, build, _, _, shapes = case
+    arrays = [normal(rng, *shape) for shape in shapes]
+    results = {}
+    for backend in ("reference", "cuda"):
+        with fl.backend(backend):
+            inputs = [fl.from_numpy(array) for array in arrays]
+            for tensor in inputs:
+                tensor.requires_grad_()
+            out = build(*inputs)
+            (out * out).sum().backward()
+            results[backend] = [out.numpy()] + [tensor.grad.numpy() for tensor in inputs]
+    for actual, expected in zip(results["cuda"], results["reference"], strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)

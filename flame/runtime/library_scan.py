@@ -2,9 +2,8 @@
 
 ``cumsum``, ``cumprod`` and ``argsort`` are CuPy's routines (a parallel scan; a stable
 segmented sort). ``logcumsumexp`` and the running arg-extreme of ``cummax``/``cummin`` have no
-CuPy routine: a small kernel walks each row in order, one thread a row, which is linear work
-and fast while there are thousands of rows; a long single row is the slow case (a parallel
-scan with an associative (value, index) combine would fix it; not written yet).
+CuPy routine: a small kernel walks each row in order, one thread a row (linear work); long
+rows, too few to fill the GPU, are cut into blocks first (see ``_scan_rows``).
 
 float16 and bfloat16 (uint16 bits here) are computed in float32 and rounded once at the end,
 as the reference computes them.
@@ -123,11 +122,13 @@ extern "C" __global__ void {name}(const value_t* __restrict__ source,
         value_t* __restrict__ out, offset_t rows, offset_t length) {{
     {_ROW_LOOP}
         value_t* written = out + row * length;
-        value_t total = -INFINITY;
+        // NVRTC has no math.h: infinity from its bits (a float infinity widens to double's)
+        const value_t infinity = (value_t)__int_as_float(0x7f800000);
+        value_t total = -infinity;
         for (offset_t i = 0; i < length; ++i) {{
             const value_t value = in[i];
             if (isnan(value) || isnan(total)) {{
-                total = NAN;
+                total = infinity - infinity;  // NaN
             }} else if (value != total) {{  // log(e^a + e^b) = max + log1p(e^-|a - b|)
                 const value_t high = value > total ? value : total;
                 total = high + log1p(exp(-fabs(total - value)));
@@ -187,17 +188,100 @@ def _rows(array, dim: int):
     return moved.reshape(-1, length), moved.shape
 
 
-def _run_rows(kind: str, node, array, out_dtype, *flags):
+# A row kernel runs one thread a row: enough rows fill the GPU, a few long ones would leave it
+# idle. Rows longer than BLOCKED_FROM with fewer than ENOUGH_ROWS of them are cut into blocks
+# (more rows), scanned, and the blocks' running totals are scanned in turn (recursively) and
+# combined with each block: O(n) work in three passes instead of one thread walking n.
+ENOUGH_ROWS = 16384
+BLOCKED_FROM = 2048
+SMALLEST_BLOCK = 64
+
+
+def _direct(kind: str, rows, flags):
     import cupy
 
-    dim = node.attr("dim", 0)
-    rows, moved_shape = _rows(array, dim if array.ndim else 0)
+    out_dtype = np.int64 if kind == "cumextreme" else rows.dtype
     out = cupy.empty(rows.shape, dtype=out_dtype)
     if out.size:
         function = _row_kernel(kind, _C_TYPES[rows.dtype], *flags)
         arguments = [rows, out, np.int64(rows.shape[0]), np.int64(rows.shape[1])]
         kernels.launch(function, rows.shape[0], arguments)
-    shaped = out.reshape(moved_shape)
+    return out
+
+
+def _filler(kind: str, dtype, flags):
+    """A value that changes no scan it is appended to (padding of the last block)."""
+    largest = kind == "logcumsumexp" or flags[0]
+    if np.dtype(dtype).kind == "f":
+        return -np.inf if largest else np.inf
+    limits = np.iinfo(dtype)
+    return limits.min if largest else limits.max
+
+
+def _scan_rows(kind: str, rows, flags):
+    """The scan of every row of the contiguous [rows, length] array ``rows``."""
+    import cupy
+
+    count, length = rows.shape
+    if length <= BLOCKED_FROM or count >= ENOUGH_ROWS or count == 0:
+        return _direct(kind, rows, flags)
+    block = max(SMALLEST_BLOCK, -(-length // (ENOUGH_ROWS // count)))
+    blocks_per_row = -(-length // block)
+    padded = cupy.full((count, blocks_per_row * block), _filler(kind, rows.dtype, flags),
+                       dtype=rows.dtype)  # fmt: skip
+    padded[:, :length] = rows
+    blocks = padded.reshape(count * blocks_per_row, block)
+    local = _direct(kind, blocks, flags)
+    if kind == "logcumsumexp":
+        combined = _combine_logcumsumexp(local, count, blocks_per_row, flags)
+    else:
+        combined = _combine_extreme(blocks, local, count, blocks_per_row, flags)
+    return cupy.ascontiguousarray(combined.reshape(count, -1)[:, :length])
+
+
+def _combine_logcumsumexp(local, count, blocks_per_row, flags):
+    import cupy
+
+    totals = cupy.ascontiguousarray(local[:, -1].reshape(count, blocks_per_row))
+    running = _scan_rows("logcumsumexp", totals, flags)
+    before = cupy.full((count, blocks_per_row), -np.inf, dtype=local.dtype)
+    before[:, 1:] = running[:, :-1]  # what the earlier blocks add up to
+    return cupy.logaddexp(before.reshape(-1, 1), local)
+
+
+def _combine_extreme(blocks, local, count, blocks_per_row, flags):
+    """Each element's running extreme: its block's, unless the earlier blocks' beats it by
+    the rule of the row kernel (ties and NaN: the later one; a NaN stays until a later one)."""
+    import cupy
+
+    largest, is_float = flags
+    block = blocks.shape[1]
+    offsets = (cupy.arange(blocks_per_row, dtype=np.int64) * block).reshape(1, -1, 1)
+    local_index = local.reshape(count, blocks_per_row, block) + offsets
+    local_value = cupy.take_along_axis(blocks, local, 1).reshape(count, blocks_per_row, block)
+    total_value = cupy.ascontiguousarray(local_value[:, :, -1])
+    best_block = _scan_rows("cumextreme", total_value, flags)
+    best_value = cupy.take_along_axis(total_value, best_block, 1)
+    best_index = cupy.take_along_axis(local_index[:, :, -1], best_block, 1)
+    earlier_value = cupy.empty_like(best_value)
+    earlier_value[:, 1:] = best_value[:, :-1]
+    earlier_value[:, :1] = best_value[:, :1]  # unused: the first block takes its own
+    earlier_index = cupy.zeros_like(best_index)
+    earlier_index[:, 1:] = best_index[:, :-1]
+    earlier = earlier_value[:, :, None]
+    better = local_value >= earlier if largest else local_value <= earlier
+    if is_float:
+        better = cupy.isnan(local_value) | (better & ~cupy.isnan(earlier))
+    better[:, 0, :] = True
+    return cupy.where(better, local_index, earlier_index[:, :, None])
+
+
+def _run_rows(kind: str, node, array, *flags):
+    import cupy
+
+    dim = node.attr("dim", 0)
+    rows, moved_shape = _rows(array, dim if array.ndim else 0)
+    shaped = _scan_rows(kind, rows, flags).reshape(moved_shape)
     return cupy.moveaxis(shaped, -1, dim) if array.ndim else shaped.reshape(())
 
 
@@ -209,7 +293,9 @@ def cumextreme_index(node, arrays):
     dtype = node.inputs[0].dtype
     wide = _widened(array, dtype.name)
     flags = (bool(node.attr("largest", True)), dtype.is_float)
-    return cupy.ascontiguousarray(_run_rows("cumextreme", node, wide, np.int64, *flags))
+    if wide.dtype == np.bool_:
+        wide = wide.astype(np.uint8)  # the padding of long rows needs an ordered type
+    return cupy.ascontiguousarray(_run_rows("cumextreme", node, wide, *flags))
 
 
 @implements("logcumsumexp")
@@ -217,4 +303,4 @@ def logcumsumexp(node, arrays):
     (array,) = arrays
     dtype_name = node.dtype.name
     wide = _widened(array, dtype_name)
-    return _narrowed(_run_rows("logcumsumexp", node, wide, wide.dtype), dtype_name)
+    return _narrowed(_run_rows("logcumsumexp", node, wide), dtype_name)
