@@ -144,6 +144,20 @@ def test_reference_sum_and_matmul_in_double(reference_backend):
     np.testing.assert_allclose(product.numpy(), matrix @ matrix.T, rtol=1e-15)
 
 
+@needs_double_reference
+def test_reference_gradients_in_double(reference_backend):
+    import math
+
+    erf = np.vectorize(math.erf)
+    x = fl.from_numpy(POINTS.copy()).requires_grad_()
+    (fl.gelu(x) * x.exp()).sum().backward()
+    assert x.grad.dtype is F64
+    cdf = 0.5 * (1 + erf(POINTS / math.sqrt(2)))
+    density = np.exp(-POINTS * POINTS / 2) / math.sqrt(2 * math.pi)
+    expected = (cdf + POINTS * density + POINTS * cdf) * np.exp(POINTS)
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-14, atol=1e-15)
+
+
 # --- generated CUDA ------------------------------------------------------------------------
 def test_float64_kernels_compute_in_double(cuda_backend):
     x = fl.from_numpy(POINTS.reshape(7, 143).copy())
