@@ -122,6 +122,8 @@ class _Program:
     backend: str = "cuda"
     # in-place writes: (("arg", position) | ("storage", Storage), flat index of the value)
     writes: tuple = ()
+    # per write the plan computes straight into the memory: its output slot (else None)
+    direct: tuple = ()
 
     def guards_hold(self) -> bool:
         for owner_ref, had_grad, _ in self.grads:
@@ -405,7 +407,7 @@ class CompiledFunction:
             return _Program((), (), None, **common)
         from flame.runtime.walks import linearize
 
-        _, inputs, key = linearize(computed)
+        order, inputs, key = linearize(computed)
         sources = tuple(
             ("arg", position_of[id(node)]) if id(node) in position_of
             else ("grad", previous_grad[id(node)]) if id(node) in previous_grad
@@ -423,6 +425,7 @@ class CompiledFunction:
         # the plan's outputs come back in the order it was asked for them
         outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
         program = _Program(outputs, sources, plan, **common)
+        program.direct = _direct_writes(program, order, inputs, trace)
         if not grads and not trace.written and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
@@ -446,9 +449,11 @@ class CompiledFunction:
             owner = owner_ref()
             if owner is not None:
                 owner.grad = flat[index]
-        for (kind, target), index in program.writes:
-            storage = _storage(args[target]) if kind == "arg" else target
-            _write_back(storage, flat[index])
+        direct = program.direct or (None,) * len(program.writes)
+        for ((kind, target), index), slot in zip(program.writes, direct):
+            if slot is None:  # computed apart: copied into the memory
+                storage = _storage(args[target]) if kind == "arg" else target
+                _write_back(storage, flat[index])
         return unflatten(program.treedef, iter(flat))
 
     def _source_storage(self, program, kind, value, args):
@@ -472,7 +477,15 @@ class CompiledFunction:
             else self._source_storage(program, kind, value, args).device_array()
             for kind, value in program.sources
         ]  # fmt: skip
-        slots = default_executor().run(program.plan, arrays)
+        if any(slot is not None for slot in program.direct):
+            targets = {
+                slot: (_storage(args[target]) if kind == "arg" else target).device_array()
+                for ((kind, target), _), slot in zip(program.writes, program.direct)
+                if slot is not None
+            }  # fmt: skip
+            slots = default_executor().run_into(program.plan, arrays, targets)
+        else:
+            slots = default_executor().run(program.plan, arrays)
         return [
             wrap(Storage("cuda", node.dtype, array=slots[slot]), node.dtype, node.shape, node.site)
             for node, slot in zip(program.out_nodes, program.plan.output_slots)
@@ -495,6 +508,34 @@ class CompiledFunction:
             )
             for node, value in zip(program.out_nodes, values)
         ]
+
+
+def _direct_writes(program: _Program, order, inputs, trace) -> tuple:
+    """Per in-place write of a CUDA program, the output slot its plan writes straight into
+    the tensor's memory, or None where the value must be computed apart and copied (the
+    memory is read through a view or by a reduction, or a library call computes it)."""
+    from flame.runtime.executor import reads_elementwise, writable
+
+    direct = []
+    for (target, index), (storage, value, _) in zip(program.writes, trace.writes.values()):
+        kind, position = program.flat[index]
+        array = storage.array
+        contiguous = array is not None and array.flags.c_contiguous
+        if kind != "out" or not contiguous or tuple(array.shape) != value.shape:
+            direct.append(None)
+            continue
+        aliased = [slot for slot, source in enumerate(program.sources) if _same(source, target)]
+        slot = program.plan.output_slots[position]
+        safe = reads_elementwise(order, [inputs[i] for i in aliased], value.shape)
+        direct.append(slot if safe and writable(program.plan, slot, aliased) else None)
+    return tuple(direct)
+
+
+def _same(source: tuple, target: tuple) -> bool:
+    """Whether a plan input's source is the memory a write targets."""
+    if source[0] != target[0]:
+        return False
+    return source[1] is target[1] if source[0] == "storage" else source[1] == target[1]
 
 
 def _drawing(entry, generators, backend: str):

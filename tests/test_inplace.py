@@ -238,3 +238,27 @@ def test_requires_grad_setter_and_inference_mode(rng):
         w.requires_grad = False
         assert not w.requires_grad
     assert issubclass(fl.ShapeError, RuntimeError)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_write_goes_straight_into_the_memory(rng):
+    with fl.backend("cuda"):
+        ema = _t(rng, 4096)
+        address, start = ema.data_ptr(), ema.numpy().copy()
+
+        @fl.compile
+        def update(p):
+            with fl.no_grad():
+                ema.mul_(0.5).add_(p, alpha=0.5)
+            return p.sum()
+
+        p = _t(rng, 4096)
+        for _ in range(3):
+            update(p)
+        expected = start
+        for _ in range(3):
+            expected = expected * 0.5 + p.numpy() * 0.5
+        np.testing.assert_allclose(ema.numpy(), expected, rtol=1e-5, atol=1e-6)
+        assert ema.data_ptr() == address
+        (program,) = update._state._programs.values()
+        assert program.direct == (program.plan.output_slots[1],)  # the kernel writes ema

@@ -184,49 +184,40 @@ class Executor:
     def realize_into(self, node: Node, array) -> bool:
         """Compute ``node`` with its result written straight into ``array`` (a contiguous
         CuPy array of its shape and dtype: an in-place write, flame/inplace.py), by the
-        kernel that computes it. Only where that is safe: the graph reads ``array``'s memory
-        only element for element, in the kernel that writes it or before it. Returns False
-        (nothing run) otherwise; the caller then computes the value apart and copies it."""
-        from flame.ir.ops import get_op
-
+        kernel that computes it. Only where that is safe (``reads_elementwise``,
+        ``writable``). Returns False (nothing run) otherwise; the caller then computes the
+        value apart and copies it."""
         order, inputs, key = linearize([node])
         if not order or is_input(node) or node.op in ("expand", "reshape", "permute", "slice"):
             return False
         address = array.data.ptr
-        aliased = [
-            index for index, child in enumerate(inputs) if _address_of(child) == address
-        ]  # fmt: skip
-        if aliased:
-            readers = {id(child) for index in aliased for child in [inputs[index]]}
-            for member in order:
-                if any(id(child) in readers for child in member.inputs):
-                    if get_op(member.op).kind != "elementwise" or member.shape != node.shape:
-                        return False  # read through a view, or by a reduction
+        aliased = [index for index, child in enumerate(inputs) if _address_of(child) == address]
+        if not reads_elementwise(order, [inputs[index] for index in aliased], node.shape):
+            return False
         plan = self.plan_for([node], inputs, key)
         out_slot = plan.output_slots[0]
-        writer = next(
-            (i for i, step in enumerate(plan.launches)
-             if isinstance(step, Launch) and any(slot == out_slot for slot, _ in step.writes)),
-            None,
-        )  # fmt: skip
-        if writer is None or any(slot == out_slot for slot, _ in plan.launches[writer].zeroed):
+        if not writable(plan, out_slot, aliased):
             return False
-        if any(slot in aliased for step in plan.launches[writer + 1 :] for slot in _reads(step)):
-            return False
-        slots = _arrays_of(inputs) + [None] * (plan.slot_count - len(inputs))
+        self.run_into(plan, _arrays_of(inputs), {out_slot: array})
+        return True
+
+    def run_into(self, plan: Plan, input_arrays: list, targets: dict) -> list:
+        """``run``, with the output slots in ``targets`` (slot -> array) written into the
+        given arrays instead of new ones (each checked by ``writable``)."""
         import cupy
 
-        for index, (step, releases) in enumerate(zip(plan.launches, plan.releases)):
-            if index == writer:
+        slots = list(input_arrays) + [None] * (plan.slot_count - len(input_arrays))
+        for step, releases in zip(plan.launches, plan.releases):
+            if isinstance(step, Launch) and any(slot in targets for slot, _ in step.writes):
                 for slot, shape, dtype in step._allocations:
-                    slots[slot] = array if slot == out_slot else cupy.ndarray(shape, dtype)
+                    target = targets.get(slot)
+                    slots[slot] = target if target is not None else cupy.ndarray(shape, dtype)
                 step.launch_into(slots)
             else:
                 step.execute(slots)
             for slot in releases:
-                if slot != out_slot:
-                    slots[slot] = None
-        return True
+                slots[slot] = None
+        return slots
 
     def plan_for(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
@@ -423,6 +414,37 @@ def _arrays_of(inputs: list[Node]) -> list:
         array = storage.array
         arrays.append(array if array is not None else storage.device_array())
     return arrays
+
+
+def reads_elementwise(order, aliased: list[Node], shape) -> bool:
+    """Whether every node of ``order`` that reads one of ``aliased`` (inputs whose memory a
+    result will be written into) is elementwise over ``shape``: each element is then read
+    before, or by the thread that, writes it (a view or a reduction could read it after)."""
+    from flame.ir.ops import get_op
+
+    readers = {id(node) for node in aliased}
+    if not readers:
+        return True
+    for member in order:
+        if any(id(child) in readers for child in member.inputs):
+            if get_op(member.op).kind != "elementwise" or member.shape != shape:
+                return False
+    return True
+
+
+def writable(plan: Plan, out_slot: int, aliased_slots) -> bool:
+    """Whether ``plan`` can write output ``out_slot`` into memory that its input slots
+    ``aliased_slots`` read: a FLAME kernel writes it (not a library call), without zeroing
+    it first (atomic sums), and no later step reads those inputs."""
+    writer = next(
+        (index for index, step in enumerate(plan.launches)
+         if isinstance(step, Launch) and any(slot == out_slot for slot, _ in step.writes)),
+        None,
+    )  # fmt: skip
+    if writer is None or any(slot == out_slot for slot, _ in plan.launches[writer].zeroed):
+        return False
+    later = (slot for step in plan.launches[writer + 1 :] for slot in _reads(step))
+    return not any(slot in aliased_slots for slot in later)
 
 
 def _address_of(node: Node) -> int | None:
