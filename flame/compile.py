@@ -150,6 +150,13 @@ class _Trace:
         if all(tensor is not target for tensor, _ in entry[2]):
             entry[2].append((target, target.node))
 
+    def storage_written(self, target: Tensor):
+        """The memory ``target`` stands for, if this trace wrote it before."""
+        for storage, _, tensors in self.writes.values():
+            if any(tensor is target for tensor, _ in tensors):
+                return storage
+        return None
+
     def restore_written(self) -> None:
         """The written tensors read their memory again (the replay writes it)."""
         for _, _, tensors in self.writes.values():

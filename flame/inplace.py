@@ -129,24 +129,15 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
     it becomes the target's node)."""
     from flame.compile import current_trace
 
+    trace = current_trace()
+    if trace is not None:
+        return _write_traced(trace, target, value, op)
     old = target.node
     found = memory_of(old)
     if found is None:  # a lazy value: the tensor now stands for the new value
         target.node = value.node
         return target
     storage, view = found
-    trace = current_trace()
-    if trace is not None:  # part of the compiled program: written after each call
-        if not _is_whole(view, storage):
-            from flame.compile import TraceError
-
-            raise TraceError(
-                f"{op}: writing through a view of memory inside a function being compiled is "
-                f"not supported yet; write the whole tensor [at {format_site(user_site())}]"
-            )
-        trace.note_write(target, storage, value.node)
-        target.node = value.node
-        return target
     if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
         raise InplaceError(
             f"{op}: more than one element of the written-to tensor refers to a single memory "
@@ -194,6 +185,28 @@ def _view_again(node: Node, storage) -> Node:
         return Node("buffer", (), (("storage", storage),), node.dtype, node.shape, node.site)
     below = _view_again(node.inputs[0], storage)
     return Node(node.op, (below,), node.attrs, node.dtype, node.shape, node.site)
+
+
+def _write_traced(trace, target: Tensor, value: Tensor, op: str) -> Tensor:
+    """Inside ``flame.compile``: the write becomes part of the program (its value written
+    into the memory at every call); later ops of the trace read the new value."""
+    storage = trace.storage_written(target)  # written before in this trace
+    if storage is None:
+        found = memory_of(target.node)
+        if found is None:  # a lazy value of the trace: it now stands for the new value
+            target.node = value.node
+            return target
+        storage, view = found
+        if not _is_whole(view, storage):
+            from flame.compile import TraceError
+
+            raise TraceError(
+                f"{op}: writing through a view of memory inside a function being compiled is "
+                f"not supported yet; write the whole tensor [at {format_site(user_site())}]"
+            )
+    trace.note_write(target, storage, value.node)
+    target.node = value.node
+    return target
 
 
 def write_memory(storage, view: View, value: Tensor) -> None:

@@ -148,19 +148,21 @@ def test_lazy_value_is_rebound_and_history_kept(backend, rng):
 
 def test_in_place_inside_compile_updates_closed_over_memory(backend, rng):
     ema = fl.tensor(np.zeros(6, np.float32)).realize()
+    chained = fl.tensor(np.zeros(6, np.float32)).realize()
 
     @fl.compile
     def update(p):
         with fl.no_grad():
             ema.lerp_(p, 0.5)
+            chained.mul_(0.5).add_(p, alpha=0.5)  # a second write to the same memory
         return p.sum()
 
     target = fl.tensor(np.full(6, 8.0, np.float32))
     values = []
     for _ in range(3):
         update(target)
-        values.append(ema.numpy()[0])
-    assert values == [4.0, 6.0, 7.0]
+        values.append((ema.numpy()[0], chained.numpy()[0]))
+    assert values == [(4.0, 4.0), (6.0, 6.0), (7.0, 7.0)]
     assert update.cache_info().traces == 1
 
 
