@@ -124,9 +124,17 @@ def div(x, other, *, rounding_mode=None):
             return trunc(_true_divide(x, other))  # PyTorch's own formula
         return _FUNCTIONS["floordiv"](x - remainder, other)  # an exact multiple of other
     if rounding_mode == "floor":
-        # floordiv has no gradient rule; the rounded quotient's gradient is 0 (detached)
         operands = [value.detach() if isinstance(value, Tensor) else value for value in (x, other)]
-        return _FUNCTIONS["floordiv"](*operands)
+        quotient = _FUNCTIONS["floordiv"](*operands)
+        if not quotient.dtype.is_float:
+            return quotient
+        # floordiv has no gradient rule: the quotient is built from detached operands and
+        # tied back to them by sign(v) - sign(v), exactly 0 (sign(NaN) is 0), gradient 0
+        for value in (x, other):
+            if isinstance(value, Tensor) and value.dtype.is_float:
+                link = sign(value)
+                quotient = quotient + (link - link)
+        return quotient
     raise _refuse(
         ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
     )
