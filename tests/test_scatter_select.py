@@ -70,11 +70,16 @@ def test_nonzero_and_masked_select(backend, rng):
     rows, cols = fl.nonzero(x, as_tuple=True)
     np.testing.assert_array_equal(rows.numpy(), np.nonzero(values)[0])
     np.testing.assert_array_equal(cols.numpy(), np.nonzero(values)[1])
-    mask = fl.tensor(values > 0.5)
-    picked = fl.masked_select(x, mask)
-    np.testing.assert_array_equal(picked.numpy(), values[values > 0.5])
+    chosen = values > np.median(values)  # some, not all
+    picked = fl.masked_select(x, fl.tensor(chosen))
+    np.testing.assert_array_equal(picked.numpy(), values[chosen])
     (picked * 3).sum().backward()
-    np.testing.assert_array_equal(x.grad.numpy(), np.where(values > 0.5, 3.0, 0.0))
+    np.testing.assert_array_equal(x.grad.numpy(), np.where(chosen, 3.0, 0.0))
+    x.grad = None  # nothing selected: an empty result, and a zero gradient
+    empty = fl.masked_select(x, fl.tensor(np.zeros((3, 4), dtype=bool)))
+    assert empty.shape == (0,)
+    (empty * 3).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.zeros((3, 4), np.float32))
     row_mask = fl.tensor(np.array([True, False, True, False]))  # broadcast over rows
     np.testing.assert_array_equal(
         x.masked_select(row_mask).numpy(), values[:, [0, 2]].reshape(-1)

@@ -331,7 +331,9 @@ def _take_along_dim_vjp(F, g, out, source, index, dim=None):
 def _rows_vjp(F, g, index, table_shape, dtype, wrap):
     """Cotangent of ``table[index]`` (rows along dim 0) for a table of ``table_shape``."""
     count = index.numel()
-    width = g.numel() // count if count else 0
+    width = 1
+    for size in table_shape[1:]:  # from the table: an empty index has no rows to divide by
+        width *= size
     rows = F.reshape(index, (count,))
     if wrap:
         rows = _wrapped(F, rows, table_shape[0])
