@@ -334,6 +334,33 @@ SEMANTICS = {
     "bitwise_xor": np.bitwise_xor,
     "where": np.where,
     "cast": lambda x, dtype: x.astype(resolve_dtype(dtype).numpy),
+    # issue 18's ops (erfinv and nan_to_num: their own references)
+    "exp2": lambda x: 2.0**x,
+    "log2": lambda x: np.log(x) / math.log(2.0),
+    "log10": lambda x: np.log(x) / math.log(10.0),
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "tan": np.tan,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "trunc": np.trunc,
+    "isnan": lambda x: np.isnan(x) if x.dtype.kind == "f" else np.zeros(x.shape, bool),
+    "isinf": lambda x: np.isinf(x) if x.dtype.kind == "f" else np.zeros(x.shape, bool),
+    "isfinite": lambda x: np.isfinite(x) if x.dtype.kind == "f" else np.ones(x.shape, bool),
+    "atan2": np.arctan2,
+    "copysign": np.copysign,
+    "fmod": np.fmod,
+    "logaddexp": np.logaddexp,
+    # integers arrive as int64: a shift of an int32 by 32..63 leaves 0 in its low 32 bits
+    "bitwise_left_shift": lambda a, b: np.where((b < 0) | (b > 63), 0, a << np.clip(b, 0, 63)),
+    "bitwise_right_shift": lambda a, b: a >> np.where((b < 0) | (b > 63), 63, b),
+    "clamp": lambda x, low, high: np.minimum(np.maximum(x, low), high),
+    "clamp_min": np.maximum,
+    "clamp_max": np.minimum,
 }
 
 

@@ -190,6 +190,14 @@ def _clamp_vjp(F, g, out, x, low, high):
     return F.where(inside, g, 0.0), F.where(below, g, 0.0), F.where(above, g, 0.0)
 
 
+def _atan2_vjp(F, g, out, y, x):
+    """d atan2(y, x) = (x, -y) / (x^2 + y^2); 0 where the denominator is 0 (PyTorch's
+    choice at the origin, and where the squares underflow)."""
+    squares = y * y + x * x
+    reciprocal = F.where(squares == 0.0, 0.0, 1.0 / F.where(squares == 0.0, 1.0, squares))
+    return g * x * reciprocal, g * -y * reciprocal
+
+
 def _rsqrt(t):
     return 1.0 / t.sqrt()
 
@@ -212,10 +220,7 @@ for _name, _rule in {
     "nan_to_num": lambda F, g, out, x, nan=0.0, posinf=None, neginf=None: (
         F.where(x.isfinite(), g, 0.0),
     ),
-    "atan2": lambda F, g, out, y, x: (
-        g * x / (y * y + x * x),
-        g * -y / (y * y + x * x),
-    ),
+    "atan2": _atan2_vjp,
     "copysign": lambda F, g, out, x, y: (g * F.where(x == 0.0, 0.0, out / x), g * 0.0),
     "fmod": lambda F, g, out, x, y: (g, -g * (x / y).trunc()),
     "logaddexp": lambda F, g, out, x, y: (g / (F.exp(y - x) + 1.0), g / (F.exp(x - y) + 1.0)),
