@@ -133,7 +133,7 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
     if trace is not None:
         return _write_traced(trace, target, value, op)
     old = target.node
-    found = memory_of(old)
+    found = _memory_for_writing(old)
     if found is None:  # a lazy value: the tensor now stands for the new value
         target.node = value.node
         return target
@@ -187,6 +187,25 @@ def _view_again(node: Node, storage) -> Node:
     return Node(node.op, (below,), node.attrs, node.dtype, node.shape, node.site)
 
 
+def _memory_for_writing(node: Node):
+    """``memory_of``, with a reference storage first made the tensor's own, writable and
+    contiguous (flame.foreach.writable_array; NumPy memory may be shared or read-only)."""
+    found = memory_of(node)
+    if found is None or found[0].backend != "reference":
+        return found
+    from flame.foreach import writable_array
+
+    storage = found[0]
+    before = storage.array
+    array = writable_array(storage)
+    if not array.flags.c_contiguous:
+        storage.array = array = np.ascontiguousarray(array)
+    if array is not before:
+        storage._layout = None  # its strides changed: the view is computed again
+        found = memory_of(node)
+    return found
+
+
 def _write_traced(trace, target: Tensor, value: Tensor, op: str) -> Tensor:
     """Inside ``flame.compile``: the write becomes part of the program (its value written
     into the memory at every call); later ops of the trace read the new value."""
@@ -211,18 +230,13 @@ def _write_traced(trace, target: Tensor, value: Tensor, op: str) -> Tensor:
 
 def write_memory(storage, view: View, value: Tensor) -> None:
     """Compute ``value`` into ``storage``'s memory seen through ``view``."""
-    if storage.backend == "reference":
-        from flame.foreach import writable_array
-
-        array = writable_array(storage)
+    if storage.backend == "reference":  # made contiguous by _memory_for_writing
+        array = storage.array
         result = np.asarray(value.numpy(), dtype=array.dtype)
-        flat = array.reshape(-1) if array.flags.c_contiguous else array
-        if not array.flags.c_contiguous:
-            flat = np.lib.stride_tricks.as_strided(array, (array.size,), (array.itemsize,))
-        itemsize = array.itemsize
         window = np.lib.stride_tricks.as_strided(
-            flat[view.offset :], view.shape, tuple(s * itemsize for s in view.strides)
-        )
+            array.reshape(-1)[view.offset :], view.shape,
+            tuple(stride * array.itemsize for stride in view.strides),
+        )  # fmt: skip
         window[...] = result
         return
     from flame.runtime.executor import default_executor
@@ -433,12 +447,21 @@ def setitem(self: Tensor, index, value) -> None:
     if isinstance(index, (Tensor, list)) or hasattr(index, "__array_interface__"):
         _setitem_rows(self, index, value)
         return
+    if memory_of(self.node) is None:
+        from flame.compile import current_trace
+
+        if current_trace() is not None:
+            raise InplaceError(
+                f"setitem: assigning into a value computed inside a function being compiled "
+                f"is not supported yet; build it with flame.where [at {format_site(user_site())}]"
+            )
+        self.realize()  # it gets the memory PyTorch's tensor would have had
     view = getitem(self, index)
-    found = memory_of(view.node)
+    found = _memory_for_writing(view.node)
     if found is None:
         raise InplaceError(
-            f"setitem: this tensor holds no memory yet (a lazy value); assign to a realized "
-            f"tensor or build the value with flame.where [at {format_site(user_site())}]"
+            f"setitem: the index does not select a view of the tensor's memory "
+            f"[at {format_site(user_site())}]"
         )
     if not isinstance(value, Tensor):
         from flame.creation import full
@@ -461,37 +484,35 @@ def setitem(self: Tensor, index, value) -> None:
 
 
 def _setitem_rows(self: Tensor, index, value) -> None:
-    """``self[rows] = value`` for an integer index along the first axis."""
-    from flame.creation import arange, tensor
+    """``self[rows] = value`` for an integer index along the first axis (the rows are read
+    on the host to check their range, as PyTorch's index checks sync)."""
+    from flame.backend import backend as use_backend
+    from flame.creation import tensor
     from flame.functional import where
 
-    if not isinstance(index, Tensor):
-        from flame.backend import backend as use_backend
-
-        with use_backend(self.backend):
+    with use_backend(self.backend):
+        if not isinstance(index, Tensor):
             index = tensor(np.asarray(index))
-    if index.dtype.is_float or index.ndim != 1:
-        raise IndexError("setitem: an index tensor must be a 1-d integer tensor")
-    size = self.shape[0]
-    rows = index.numpy().astype(np.int64)
-    if rows.size and (rows.min() < -size or rows.max() >= size):
-        raise IndexError(
-            f"setitem: index out of range for dimension 0 with size {size} "
-            f"[at {format_site(user_site())}]"
-        )
-    rows = np.where(rows < 0, rows + size, rows)
-    # each target row takes the value of the last index naming it
-    source = np.full(size, -1, dtype=np.int64)
-    source[rows] = np.arange(rows.size)
-    picked = tensor(np.maximum(source, 0))
-    if not isinstance(value, Tensor):
-        value = tensor(np.asarray(value, dtype=self.dtype.numpy))
-    shape = (rows.size,) + self.shape[1:]
-    values = value.to(self.dtype).broadcast_to(shape) if value.shape != shape else value
-    gathered = values[picked] if rows.size else self
-    chosen = tensor(source >= 0).reshape((size,) + (1,) * (self.ndim - 1))
-    del arange
-    Tensor.copy_(self, where(chosen.broadcast_to(self.shape), gathered, self))
+        if index.dtype.is_float or index.dtype.is_bool or index.ndim != 1:
+            raise IndexError("setitem: an index tensor must be a 1-d integer tensor")
+        size = self.shape[0]
+        rows = index.numpy().astype(np.int64)
+        if rows.size and (rows.min() < -size or rows.max() >= size):
+            raise IndexError(
+                f"setitem: index out of range for dimension 0 with size {size} "
+                f"[at {format_site(user_site())}]"
+            )
+        rows = np.where(rows < 0, rows + size, rows)
+        source = np.full(size, -1, dtype=np.int64)  # per row, the last index naming it
+        source[rows] = np.arange(rows.size)
+        if not isinstance(value, Tensor):
+            value = tensor(np.asarray(value, dtype=self.dtype.numpy))
+        shape = (rows.size,) + self.shape[1:]
+        values = value.to(self.dtype)
+        values = values.broadcast_to(shape) if values.shape != shape else values
+        gathered = values[tensor(np.maximum(source, 0))] if rows.size else self
+        chosen = tensor(source >= 0).reshape((size,) + (1,) * (self.ndim - 1))
+        Tensor.copy_(self, where(chosen.broadcast_to(self.shape), gathered, self))
 
 
 Tensor.__setitem__ = setitem

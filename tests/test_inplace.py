@@ -264,3 +264,18 @@ def test_gpu_compiled_write_goes_straight_into_the_memory(rng):
         assert ema.data_ptr() == address
         (program,) = update._state._programs.values()
         assert program.direct == (program.plan.output_slots[1],)  # the kernel writes ema
+
+
+def test_setitem_on_a_lazy_value_and_on_strided_memory(backend, rng):
+    lazy = _t(rng, 3, 4) * 2
+    want = lazy.numpy().copy()
+    lazy[0, 1:3] = 9.0
+    want[0, 1:3] = 9.0
+    np.testing.assert_allclose(lazy.numpy(), want, rtol=1e-6)
+    source = rng.standard_normal((4, 3)).astype(np.float32)
+    strided = fl.from_numpy(source.T)  # a transposed (non-contiguous) array
+    strided[1] = 0.0
+    strided.add_(1.0)
+    expected = source.T.copy()
+    expected[1] = 0.0
+    np.testing.assert_allclose(strided.numpy(), expected + 1.0, rtol=1e-6)
