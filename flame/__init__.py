@@ -47,6 +47,7 @@ from flame.creation import (
     zeros_like,
 )  # fmt: skip
 from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
+from flame.einsum import einsum
 from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
@@ -79,6 +80,7 @@ from flame.ir.dtypes import (
 from flame.ir.shapes import ShapeError
 from flame.joining import cat, pad, repeat, stack, tril, triu
 from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
+from flame.norms import allclose, isclose, norm
 from flame.random import (
     Generator,
     default_generator,
@@ -88,6 +90,7 @@ from flame.random import (
     seed,
     set_rng_state,
 )  # fmt: skip
+from flame.ranges import eye, linspace, logspace, tril_indices, triu_indices
 from flame.reductions import (
     all,
     amax,
@@ -106,6 +109,12 @@ from flame.reductions import (
 from flame.reductions import (
     prod_ as prod,
 )
+from flame.scan import cummax, cummin, cumprod, cumsum, logcumsumexp
+from flame.shaping import (
+    chunk, clone, diag, diagonal, meshgrid, moveaxis, movedim, outer, repeat_interleave, roll,
+    split, unbind, unflatten,
+)  # fmt: skip
+from flame.sorting import argsort, msort, sort, topk
 from flame.tensor import Tensor, clamp, realize
 from flame.tools.debug import activate_from_environment as _activate_dump
 from flame.tools.debug import dump
@@ -145,7 +154,11 @@ __all__ = [
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
     "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
-    "masked_select", "Generator", "default_generator", "get_rng_state", "initial_seed",
+    "masked_select", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
+    "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",
+    "chunk", "clone", "diag", "diagonal", "meshgrid", "moveaxis", "movedim", "outer",
+    "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",
+    "topk", "Generator", "default_generator", "get_rng_state", "initial_seed",
     "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
     "randperm",
     *_functional_names,

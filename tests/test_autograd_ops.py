@@ -285,6 +285,9 @@ STRUCTURAL = [
     S("masked_fill", lambda x, m: fl.masked_fill(x, m, 2.0), lambda x, m: x.masked_fill(m, 2.0),
       (normal(3, 4), mask(1, 4))),
     S("clamp", lambda x: fl.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), (distinct(3, 4),)),
+    S("cumsum", lambda x: x.cumsum(1), lambda x: x.cumsum(1), (normal(3, 4),)),
+    S("cumprod", lambda x: x.cumprod(1), lambda x: x.cumprod(1), (normal(3, 4),)),
+    S("logcumsumexp", lambda x: x.logcumsumexp(0), lambda x: x.logcumsumexp(0), (normal(3, 4),)),
 ]  # fmt: skip
 STRUCTURAL_BY_NAME = {case.name: case for case in STRUCTURAL}
 KNOWN_BUGS: dict[str, str] = {}

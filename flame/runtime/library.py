@@ -20,6 +20,7 @@ IMPLEMENTATION_MODULES = (
     "flame.runtime.library_linalg",
     "flame.runtime.library_indexing",
     "flame.runtime.library_joining",
+    "flame.runtime.library_scan",
 )
 
 
