@@ -241,6 +241,109 @@ def masked_select(input: Tensor, mask: Tensor) -> Tensor:  # noqa: A002
     return index_tensor(values.reshape(-1), picks)
 
 
+def advanced_index(x: Tensor, items: tuple) -> Tensor:
+    """``x[items]`` with integer or bool index tensors (lists, arrays) among ints, slices,
+    None and Ellipsis, by NumPy's rules (as PyTorch): the index tensors (and ints beside
+    them) broadcast together; their dims replace the indexed dims where those were adjacent,
+    else lead the result. A bool index stands for its ``nonzero()`` (a sync, as PyTorch's).
+    One gather over the indexed dims flattened, so the gradient is one scatter-add."""
+    from flame.views import getitem, permute, reshape
+
+    items = _expand_ellipsis(x, items)
+    basic, advanced = [], []  # advanced: (dim of the basic view, index tensor)
+    dim = 0
+    for item in items:
+        if item is None:
+            basic.append(None)
+            dim += 1
+        elif isinstance(item, slice):
+            basic.append(item)
+            dim += 1
+        else:
+            for index in _as_index_tensors(x, item):
+                basic.append(slice(None))
+                advanced.append((dim, index))
+                dim += 1
+    view = getitem(x, tuple(basic))
+    dims = [d for d, _ in advanced]
+    try:
+        shape = broadcast_shapes("index", *(index.shape for _, index in advanced))
+    except ShapeError as error:
+        raise at_user_line(IndexError(f"shape mismatch: indexing tensors could not be "
+                                      f"broadcast together ({error})")) from None
+    sizes = [view.shape[d] for d in dims]
+    rest = [d for d in range(view.ndim) if d not in dims]
+    moved = permute(view, tuple(dims + rest))
+    flat = reshape(moved, (int(np.prod(sizes, dtype=np.int64)),) + tuple(view.shape[d] for d in rest))
+    linear = None
+    stride = 1
+    for (_, index), size in reversed(list(zip(advanced, sizes))):
+        wrapped = where(index < 0, index + size, index)
+        term = wrapped * stride if stride != 1 else wrapped
+        linear = term if linear is None else linear + term
+        stride *= size
+    linear = linear.broadcast_to(shape) if linear.shape != shape else linear
+    result = index_tensor(flat, linear)
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    if adjacent and dims[0] > 0:  # the index dims take the indexed dims' place
+        lead, count = dims[0], len(shape)
+        order = list(range(count, count + lead)) + list(range(count)) + list(
+            range(count + lead, result.ndim)
+        )
+        result = permute(result, tuple(order))
+    return result
+
+
+def _expand_ellipsis(x: Tensor, items: tuple) -> list:
+    if sum(item is Ellipsis for item in items) > 1:
+        raise at_user_line(IndexError("an index can only have a single ellipsis ('...')"))
+    used = 0
+    for item in items:
+        if item is None or item is Ellipsis or isinstance(item, slice):
+            used += 0 if item is None or item is Ellipsis else 1
+        elif _bool_index(item):
+            used += np.ndim(item.numpy() if isinstance(item, Tensor) else item)
+        else:
+            used += 1
+    if used > x.ndim:
+        raise at_user_line(IndexError(f"too many indices for a {x.ndim}-d tensor: {used}"))
+    expanded = []
+    for item in items:
+        if item is Ellipsis:
+            expanded.extend([slice(None)] * (x.ndim - used))
+        else:
+            expanded.append(item)
+    if not any(item is Ellipsis for item in items):
+        expanded.extend([slice(None)] * (x.ndim - used))
+    return expanded
+
+
+def _bool_index(item) -> bool:
+    if isinstance(item, Tensor):
+        return item.dtype.is_bool
+    return np.asarray(item).dtype == np.bool_
+
+
+def _as_index_tensors(x: Tensor, item) -> list[Tensor]:
+    """The int64 index tensor(s) an item stands for (a bool item: one per dim it covers)."""
+    if _bool_index(item):
+        mask = np.asarray(item.numpy() if isinstance(item, Tensor) else item)
+        with use_backend(x.backend):
+            return [creation.tensor(p.astype(np.int64)) for p in np.nonzero(mask)]
+    if isinstance(item, Tensor):
+        if item.dtype.is_float:
+            raise at_user_line(
+                IndexError(f"tensors used as indices must be integer or bool, got {item.dtype.name}")
+            )
+        return [item if item.dtype is dtypes.int64 else item.to(dtypes.int64)]
+    values = np.asarray(item)
+    if values.dtype.kind not in "iu":
+        raise at_user_line(IndexError(f"unsupported index {item!r} (ints, slices, None, ..., "
+                                      "int or bool tensors)"))
+    with use_backend(x.backend):
+        return [creation.tensor(values.astype(np.int64))]
+
+
 for _name, _function in (
     ("gather", gather), ("index_select", index_select), ("take_along_dim", take_along_dim),
     ("scatter_add", scatter_add), ("masked_fill", masked_fill), ("scatter", scatter),

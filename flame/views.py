@@ -4,6 +4,8 @@ the original memory through strides; a copy is made only where a reshape needs o
 
 from __future__ import annotations
 
+import numpy as np
+
 from flame.backend import backend as use_backend
 from flame.ir.shapes import ShapeError, normalize_shape, prod
 from flame.tensor import Tensor, apply_op
@@ -136,18 +138,19 @@ def flip(x: Tensor, dims) -> Tensor:
     return _slice(x, ranges)
 
 
-def getitem(x: Tensor, index) -> Tensor:
-    """Basic indexing: ints, slices with steps and negative bounds, None, Ellipsis; an
-    integer tensor indexes along the first axis (a gather)."""
-    if isinstance(index, (Tensor, list)) or hasattr(index, "__array_interface__"):
-        from flame.creation import tensor
-        from flame.indexing import index_tensor
+def _is_array_index(item) -> bool:
+    return isinstance(item, (Tensor, list)) or hasattr(item, "__array_interface__")
 
-        if not isinstance(index, Tensor):
-            with use_backend(x.backend):
-                index = tensor(index)
-        return index_tensor(x, index)
+
+def getitem(x: Tensor, index) -> Tensor:
+    """Basic indexing: ints, slices with steps and negative bounds, None, Ellipsis (a view,
+    no copy). With integer or bool tensors (or lists, arrays) among the items, NumPy's
+    advanced indexing (flame/indexing.py ``advanced_index``: a gather)."""
     items = index if isinstance(index, tuple) else (index,)
+    if any(_is_array_index(item) for item in items):
+        from flame.indexing import advanced_index
+
+        return advanced_index(x, items)
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
     used = sum(1 for item in items if item is not None and item is not Ellipsis)
@@ -174,7 +177,8 @@ def _apply_index(x: Tensor, items) -> Tensor:
             start, stop, step = item.indices(size)
             ranges.append((start, stop, step))
             shape_after.append(len(range(start, stop, step)))
-        elif isinstance(item, int) and not isinstance(item, bool):
+        elif hasattr(item, "__index__") and not isinstance(item, (bool, np.bool_)):
+            item = item.__index__()
             position = item + size if item < 0 else item
             if not 0 <= position < size:
                 raise IndexError(f"index {item} is out of bounds for dim {axis} with size {size}")
