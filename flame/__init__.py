@@ -47,7 +47,7 @@ from flame.creation import (
     zeros_like,
 )  # fmt: skip
 from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
-from flame.einsum import einsum
+from flame.contraction import einsum
 from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names

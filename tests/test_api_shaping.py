@@ -1,5 +1,5 @@
 """The shape and creation helpers of issue 18 (flame/shaping.py, flame/ranges.py,
-flame/einsum.py, flame/norms.py): values against NumPy (runs without PyTorch), values and
+flame/contraction.py, flame/norms.py): values against NumPy (runs without PyTorch), values and
 gradients against PyTorch where it is importable, gradients against float64 central
 differences, and the errors bad input raises when the op is built."""
 
@@ -10,7 +10,7 @@ import pytest
 from gradcheck import check_against_finite_differences, check_against_torch
 
 import flame as fl
-import flame.einsum as E
+import flame.contraction as E
 import flame.norms as N
 import flame.ranges as G
 import flame.shaping as S

@@ -1,4 +1,5 @@
-"""``flame.einsum``, PyTorch's (and NumPy's) Einstein summation.
+"""``flame.einsum``, PyTorch's (and NumPy's) Einstein summation (the module is named
+``contraction``: ``flame.einsum`` is the function).
 
 An equation is lowered to ops FLAME already has, in three steps:
 
