@@ -5,6 +5,7 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 """
 
 from flame import (
+    devices,  # noqa: F401  (x.device, x.to(device), x.cpu(), x.cuda())
     inplace,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
     interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
@@ -46,6 +47,7 @@ from flame.creation import (
     zeros,
     zeros_like,
 )  # fmt: skip
+from flame.devices import device
 from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
 from flame.contraction import einsum
 from flame.foreach import ForeachError, foreach
@@ -154,7 +156,7 @@ __all__ = [
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
     "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
-    "masked_select", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
+    "masked_select", "device", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
     "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",
     "chunk", "clone", "diag", "diagonal", "meshgrid", "moveaxis", "movedim", "outer",
     "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",
