@@ -13,7 +13,7 @@ from flame.ir import dtypes
 from flame.ir.node import user_site
 from flame.ir.shapes import prod
 from flame.tensor import Tensor, _with_site, apply_op
-from flame.views import normalize_axes, reshape
+from flame.views import narrow, normalize_axes, reshape
 
 ValuesIndices = namedtuple("ValuesIndices", ["values", "indices"])
 
@@ -148,16 +148,26 @@ def var(x, dim=None, correction=1, keepdim=False, *, axis=None):
             TypeError(f"var: needs a float tensor, got {x.dtype.name}"), user_site()
         )
     axes = _axes(x, dim, "var")
-    divisor = _max(_count(x, axes) - correction, 0)
+    count = _count(x, axes)
+    divisor = _max(count - correction, 0)
     center = mean(x, axes, keepdim=True)
-    if not divisor:
-        # x * inf: the mean's branch of the backward would add inf - inf (NaN) to the
-        # cotangent 2 * (x - mean) / 0 that PyTorch gives; the mean's share is 0 in any case
-        center = center.detach()
+    if not divisor and count:
+        center = _exact_center(x, axes)
     deviation = x - center
     scale = 1.0 / divisor if divisor else math.inf
     result = sum(deviation * deviation, axes, keepdim=True) * scale
     return result if keepdim else _drop(result, axes)
+
+
+def _exact_center(x: Tensor, axes) -> Tensor:
+    """The mean, detached, shifted by each slice's first element: a constant slice gets its
+    value exactly (sum * 1/n need not), so its squared deviations are exactly 0 and
+    0 / 0 gives NaN, as PyTorch's; and the mean's branch of the backward, which would add
+    inf - inf to PyTorch's cotangent 2 * (x - mean) / 0, is cut (its share is 0 anyway)."""
+    first = x.detach()
+    for axis in axes:
+        first = narrow(first, axis, 0, 1)
+    return first + mean(x.detach() - first, axes, keepdim=True)
 
 
 def _max(a, b):
