@@ -213,6 +213,11 @@ Tensor.clamp = Tensor.clip = clamp
 Tensor.div = Tensor.divide = div
 Tensor.pow = Tensor.__pow__ = pow
 _tensor_module.clamp = clamp
+if not hasattr(Tensor, "__lshift__"):  # ``x << n`` and ``x >> n``, as PyTorch's shifts
+    Tensor.__lshift__ = _fast_binary("bitwise_left_shift")
+    Tensor.__rlshift__ = _fast_binary("bitwise_left_shift", reflected=True)
+    Tensor.__rshift__ = _fast_binary("bitwise_right_shift")
+    Tensor.__rrshift__ = _fast_binary("bitwise_right_shift", reflected=True)
 
 __all__ = [
     *_FUNCTIONS, "where", "clamp", "true_divide", "divide", "negative", "floor_divide",

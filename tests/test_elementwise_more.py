@@ -294,3 +294,11 @@ def test_edges_match_torch(name, backend):
     assert_same(value, expected_value, f"{name} ({what})", rtol=1e-5)
     for position, (grad, expected) in enumerate(zip(grads, expected_grads, strict=True)):
         assert_same(grad, expected, f"d {name} / d input {position} ({what})", rtol=1e-5)
+
+
+def test_shift_operators(backend):
+    x = fl.tensor(np.array([1, -8, 5], np.int64))
+    np.testing.assert_array_equal((x << 2).numpy(), [4, -32, 20])
+    np.testing.assert_array_equal((x >> 1).numpy(), [0, -4, 2])
+    np.testing.assert_array_equal((1 << fl.tensor(np.array([0, 3], np.int32))).numpy(), [1, 8])
+    np.testing.assert_array_equal((64 >> fl.tensor(np.array([1, 70], np.int64))).numpy(), [32, 0])
