@@ -1,5 +1,5 @@
-"""Dtype conversions of PyTorch's tensor API: ``x.double()``, ``x.type(dtype)`` and
-``x.view(dtype)`` (the bits of ``x`` read as another dtype).
+"""Dtype conversions of PyTorch's tensor API: ``x.double()`` (and ``byte char short``),
+``x.type(dtype)`` and ``x.view(dtype)`` (the bits of ``x`` read as another dtype).
 
 ``view(dtype)`` reinterprets memory, so it works on a realized value: ``x`` is realized and
 the result is a buffer over the same memory (writes to one are seen through the other, as in
@@ -29,6 +29,21 @@ _BY_TYPE_NAME = {name: dtype for dtype, name in TYPE_NAMES.items()}
 def double(tensor: Tensor) -> Tensor:
     """``tensor`` as float64 (PyTorch's ``Tensor.double``)."""
     return tensor.to(dtypes.float64)
+
+
+def byte(tensor: Tensor) -> Tensor:
+    """``tensor`` as uint8 (PyTorch's ``Tensor.byte``)."""
+    return tensor.to(dtypes.uint8)
+
+
+def char(tensor: Tensor) -> Tensor:
+    """``tensor`` as int8 (PyTorch's ``Tensor.char``)."""
+    return tensor.to(dtypes.int8)
+
+
+def short(tensor: Tensor) -> Tensor:
+    """``tensor`` as int16 (PyTorch's ``Tensor.short``)."""
+    return tensor.to(dtypes.int16)
 
 
 def type_(tensor: Tensor, dtype=None):
@@ -112,8 +127,13 @@ def _array_dtype(dtype: dtypes.DType, backend: str):
     return dtype.numpy
 
 
-for _name, _function in (("double", double), ("type", type_)):
+for _name, _function in (
+    ("double", double), ("byte", byte), ("char", char), ("short", short), ("type", type_),
+):  # fmt: skip
     if _name not in Tensor.__dict__:
         setattr(Tensor, _name, _function)
 
-__all__ = ["double", "is_dtype", "resolve_dtype", "type_", "view_dtype", "viewed_shape"]
+__all__ = [
+    "byte", "char", "double", "is_dtype", "resolve_dtype", "short", "type_", "view_dtype",
+    "viewed_shape",
+]  # fmt: skip

@@ -105,6 +105,20 @@ def test_arithmetic_wraps_like_pytorch(reference_backend):
     assert signed.amax().dtype is dtypes.int8 and int(signed.amin().numpy()) == -128
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="flame/ir/infer.py make_const refuses 8/16-bit scalars outside the signed range "
+    "(uint8 + 200, full(255, uint8)); PyTorch wraps them (issue 18 report): drop this mark then",
+)
+def test_python_scalars_wrap_into_small_ints_like_pytorch(reference_backend):
+    unsigned = fl.from_numpy(np.array([1, 2, 250], np.uint8))
+    np.testing.assert_array_equal((unsigned + 200).numpy(), [201, 202, 194])
+    np.testing.assert_array_equal((unsigned + -1).numpy(), [0, 1, 249])
+    np.testing.assert_array_equal(fl.full((2,), 255, dtype=dtypes.uint8).numpy(), [255, 255])
+    signed = fl.from_numpy(np.array([1, -2], np.int8))
+    np.testing.assert_array_equal((signed + 200).numpy(), [-55, -58])
+
+
 # --- generated CUDA -----------------------------------------------------------------------
 def test_small_int_kernels_compute_in_their_own_type(cuda_backend, nvrtc):
     from flame.runtime.compiler import nvrtc_compile
@@ -163,6 +177,24 @@ def test_view_dtype_argument_is_told_from_sizes():
     assert not dtype_views.is_dtype(3) and not dtype_views.is_dtype((2, 3))
     torch = pytest.importorskip("torch")
     assert dtype_views.is_dtype(torch.float64) and not dtype_views.is_dtype(torch.Size([2]))
+
+
+def test_byte_char_short_methods(reference_backend):
+    x = fl.from_numpy(np.array([-3.7, 300.0, 2.5], np.float32))
+    assert x.short().dtype is dtypes.int16 and x.short().numpy().tolist() == [-3, 300, 2]
+    assert x.char().dtype is dtypes.int8 and x.byte().dtype is dtypes.uint8
+
+
+def test_small_ints_through_dlpack(reference_backend):
+    torch = pytest.importorskip("torch", reason="exchanged with PyTorch tensors")
+    for dtype in SMALL:
+        source = torch.arange(-4, 4).to(getattr(torch, dtype.name))
+        imported = fl.from_dlpack(source)
+        assert imported.dtype is dtype
+        np.testing.assert_array_equal(imported.numpy(), source.numpy())
+    wide = torch.linspace(-1, 1, 5, dtype=torch.float64) / 3
+    assert fl.from_dlpack(wide).dtype is dtypes.float64
+    np.testing.assert_array_equal(fl.from_dlpack(wide).numpy(), wide.numpy())
 
 
 def test_type_casts_and_names(reference_backend):
