@@ -299,6 +299,22 @@ def test_gpu_float64_matmul_uses_double(cuda_backend):
 
 
 @pytest.mark.gpu
+def test_gpu_compiled_float64_step_matches_lazy(cuda_backend):
+    weights = fl.from_numpy(np.linspace(-1, 1, 96).reshape(12, 8) / 3.0)
+
+    def step(batch):
+        hidden = fl.gelu(batch @ weights)
+        return (hidden * hidden).sum(1), hidden.amax(0)
+
+    compiled = fl.compile(step)
+    for seed in range(3):
+        batch = fl.from_numpy(np.random.default_rng(seed).standard_normal((5, 12)))
+        for ours, lazy in zip(compiled(batch), step(batch)):
+            assert ours.dtype is F64
+            np.testing.assert_allclose(ours.numpy(), lazy.numpy(), rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.gpu
 def test_gpu_float64_mixed_with_float32(cuda_backend):
     wide = fl.from_numpy(POINTS.copy())
     narrow = fl.from_numpy(POINTS.astype(np.float32))
