@@ -6,6 +6,7 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 
 from flame import (
     devices,  # noqa: F401  (x.device, x.to(device), x.cpu(), x.cuda())
+    dtype_views,  # noqa: F401  (Tensor.double/byte/char/short/type)
     inplace,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
     interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
@@ -73,8 +74,12 @@ from flame.ir.dtypes import (
     bool_,
     float16,
     float32,
+    float64,
+    int8,
+    int16,
     int32,
     int64,
+    uint8,
 )  # fmt: skip
 from flame.ir.dtypes import (
     promote as promote_types,
@@ -134,6 +139,8 @@ from flame.views import (
 )  # fmt: skip
 
 half = float16
+double = float64
+short = int16
 float = float32  # noqa: A001 (PyTorch's spelling: flame.float)
 long = int64
 int = int32  # noqa: A001
@@ -156,7 +163,7 @@ __all__ = [
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
     "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
-    "masked_select", "device", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
+    "masked_select", "device", "double", "float64", "int8", "int16", "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
     "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",
     "chunk", "clone", "diag", "diagonal", "meshgrid", "moveaxis", "movedim", "outer",
     "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",

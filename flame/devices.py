@@ -89,7 +89,7 @@ def _to_general(
     for value in args:
         if isinstance(value, Tensor):
             dtype, device = value.dtype, value.device
-        elif isinstance(value, (str, globals()["device"])) and not _is_dtype_name(value):
+        elif _is_device(value):
             device = value
         else:
             dtype = value
@@ -107,14 +107,11 @@ def _to_general(
     return result
 
 
-def _is_dtype_name(value) -> bool:
-    if not isinstance(value, str):
-        return False
-    try:
-        dtypes.dtype(value)
-    except (TypeError, ValueError, KeyError):
-        return False
-    return True
+def _is_device(value) -> bool:
+    """A device or a device's name (anything else is read as a dtype, whose error names it)."""
+    if isinstance(value, device):
+        return True
+    return isinstance(value, str) and value.partition(":")[0] in _BACKEND_OF
 
 
 Tensor.device = property(lambda self: device(_TYPE_OF[self.backend]))

@@ -189,8 +189,19 @@ def _apply_index(x: Tensor, items) -> Tensor:
     return reshape(_slice(x, ranges), tuple(shape_after))
 
 
+def view(x: Tensor, *shape) -> Tensor:
+    """``x.view(shape)`` (a reshape that must not copy: FLAME's reshape never copies a view
+    it can express) or ``x.view(dtype)``, the bits read as another dtype
+    (flame/dtype_views.py)."""
+    from flame import dtype_views
+
+    if len(shape) == 1 and dtype_views.is_dtype(shape[0]):
+        return dtype_views.view_dtype(x, shape[0])
+    return reshape(x, *shape)
+
+
 for _name, _function in (
-    ("reshape", reshape), ("view", reshape), ("permute", permute), ("transpose", transpose),
+    ("reshape", reshape), ("view", view), ("permute", permute), ("transpose", transpose),
     ("expand", expand), ("broadcast_to", broadcast_to), ("squeeze", squeeze),
     ("unsqueeze", unsqueeze), ("flatten", flatten), ("narrow", narrow), ("flip", flip),
     ("__getitem__", getitem),

@@ -105,11 +105,6 @@ def test_arithmetic_wraps_like_pytorch(reference_backend):
     assert signed.amax().dtype is dtypes.int8 and int(signed.amin().numpy()) == -128
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flame/ir/infer.py make_const refuses 8/16-bit scalars outside the signed range "
-    "(uint8 + 200, full(255, uint8)); PyTorch wraps them (issue 18 report): drop this mark then",
-)
 def test_python_scalars_wrap_into_small_ints_like_pytorch(reference_backend):
     unsigned = fl.from_numpy(np.array([1, 2, 250], np.uint8))
     np.testing.assert_array_equal((unsigned + 200).numpy(), [201, 202, 194])

@@ -16,7 +16,7 @@ def compute_dtype(dtype, precision=None):
     """NumPy dtype an op's reference runs in: float16/bfloat16 run in float32 (as the
     kernels do); ``precision`` (e.g. float64) lifts every float to that precision."""
     if dtype.is_float:
-        return np.dtype(precision) if precision is not None else np.dtype(np.float32)
+        return np.dtype(precision) if precision is not None else np.dtype(dtype.numpy_compute)
     return dtype.numpy
 
 

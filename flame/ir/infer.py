@@ -82,7 +82,11 @@ def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = Fal
         value = bool(value)
     else:
         value = int(value)
-        limit = 2 ** (8 * dtype.itemsize - 1)
-        if not -limit <= value < limit:
+        bits = 8 * dtype.itemsize
+        if bits < 32:  # as PyTorch: a scalar wraps into an 8- or 16-bit type
+            value &= (1 << bits) - 1
+            if dtype.name != "uint8" and value >= 1 << (bits - 1):
+                value -= 1 << bits
+        elif not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
             raise ValueError(f"the scalar {value} does not fit {dtype.name}")
     return Node("const", (), (("value", value),), dtype, (), site)

@@ -49,6 +49,9 @@ __device__ __forceinline__ unsigned short flame_store_bf16(float value) {
 __device__ __forceinline__ void flame_atomic_add(float* address, float value) {
     atomicAdd(address, value);
 }
+__device__ __forceinline__ void flame_atomic_add(double* address, double value) {
+    atomicAdd(address, value);
+}
 __device__ __forceinline__ void flame_atomic_add(int* address, int value) {
     atomicAdd(address, value);
 }
@@ -141,6 +144,7 @@ extern "C" __global__ void {name}(
 # per source dtype: (C storage type, accumulator type, load expression)
 SCATTER_TYPES = {
     "float32": ("float", "float", "{}"),
+    "float64": ("double", "double", "{}"),
     "float16": ("unsigned short", "float", "flame_load_f16({})"),
     "bfloat16": ("unsigned short", "float", "flame_load_bf16({})"),
     "int32": ("int", "int", "{}"),

@@ -26,7 +26,7 @@ def _shown(node) -> str:
 def _check_types(left, right, attrs) -> None:
     if not (left.dtype.is_float and right.dtype.is_float):
         raise TypeError(
-            f"matmul: needs float operands (float32, float16, bfloat16), got "
+            f"matmul: needs float operands (float32, float64, float16, bfloat16), got "
             f"{left.dtype.name} and {right.dtype.name}; cast them first, e.g. x.float()"
         )
     if left.dtype is not right.dtype:
