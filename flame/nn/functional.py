@@ -145,9 +145,13 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
     return pad_(x, pad, mode, value)
 
 
-def dropout(x: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tensor:
+def dropout(
+    x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, seed=None,
+    generator=None,
+) -> Tensor:
     """Zero each element with probability ``p`` and scale the rest by 1/(1-p). The mask is
-    generated inside the kernel from ``seed`` (Philox): the same seed, the same mask."""
+    generated inside the kernel (Philox) from ``generator`` (default: the default
+    generator) or from ``seed``: the same seed, the same mask."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: p must be in [0, 1], got {p}")
     if not training or p == 0.0:
@@ -156,8 +160,9 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, seed=None) -> Tens
         return x * 0.0
     from flame.creation import rand
 
-    keep = rand(x.shape, seed=seed) >= p
-    return where(keep, x * (1.0 / (1.0 - p)), 0.0)
+    keep = rand(x.shape, seed=seed, generator=generator) >= p
+    result = where(keep, x * (1.0 / (1.0 - p)), 0.0)
+    return x.copy_(result) if inplace else result
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
