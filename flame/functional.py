@@ -3,6 +3,8 @@ declared in the registry; this module adds only PyTorch's argument names and che
 
 from __future__ import annotations
 
+import numbers
+
 import ml_dtypes
 
 import flame.tensor as _tensor_module
@@ -146,7 +148,7 @@ def pow(x, exponent):  # noqa: A001 (PyTorch's name)
     if (
         isinstance(x, Tensor)
         and not x.dtype.is_float
-        and isinstance(exponent, int)
+        and isinstance(exponent, numbers.Integral)  # a Python or NumPy integer
         and not isinstance(exponent, bool)
         and exponent < 0
     ):

@@ -175,8 +175,12 @@ def _max(a, b):
 
 
 def std(x, dim=None, correction=1, keepdim=False, *, axis=None):
+    """sqrt(var); where the variance is 0 the gradient is 0, as PyTorch's (sqrt's own
+    derivative there, 1 / 0, would turn it into inf * 0 = NaN)."""
     dim = _dim(dim, axis, "std")
-    result = var(x, dim, correction, keepdim=True).sqrt()
+    variance = var(x, dim, correction, keepdim=True)
+    zero = variance == 0.0
+    result = where(zero, 0.0, where(zero, 1.0, variance).sqrt())
     return result if keepdim else _drop(result, _axes(x, dim, "std"))
 
 

@@ -245,8 +245,8 @@ def test_pow_gradients_match_torch(backend):
 @pytest.mark.parametrize("dtype", [fl.int32, fl.int64, fl.bool_], ids=lambda d: d.name)
 @pytest.mark.parametrize(
     "spelling",
-    [lambda x: x**-1, lambda x: fl.pow(x, -2), lambda x: x.pow(-1)],
-    ids=["operator", "fl.pow", "Tensor.pow"],
+    [lambda x: x**-1, lambda x: fl.pow(x, -2), lambda x: x.pow(-1), lambda x: x ** np.int64(-3)],
+    ids=["operator", "fl.pow", "Tensor.pow", "numpy-exponent"],
 )
 def test_integer_tensor_to_negative_integer_power_is_refused(spelling, dtype, reference_backend):
     x = fl.tensor(np.array([2, 3, 1]).astype(dtype.numpy))

@@ -223,3 +223,18 @@ def test_dim_and_axis_together_are_refused(reference_backend):
         line = current_line() + 1
         fl.sum(x, 0, axis=1)
     assert f"[at test_ew_reductions.py:{line}]" in str(caught.value)
+
+
+def test_std_gradient_is_zero_where_the_std_is(backend):
+    # rows of 4: the mean (sum * 1/4) of the constant row is exact on every backend, so its
+    # variance is exactly 0 (with sum * 1/3 the GPU leaves ~1e-14)
+    samples = np.array([[1.0, 2.0, 4.0, 7.0], [3.0, 3.0, 3.0, 3.0]], np.float32)
+    grad = fl.grad(lambda t: fl.std(t, 1).sum())(fl.tensor(samples)).numpy()
+    np.testing.assert_array_equal(grad[1], [0.0, 0.0, 0.0, 0.0])
+    deviation = samples[0] - samples[0].mean()
+    expected = deviation / (3.0 * np.std(samples[0], ddof=1))
+    assert_same(grad[0], expected, "d std / dx where it is not 0")
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(samples, requires_grad=True)
+    torch.std(t, 1).sum().backward()
+    assert_same(grad, t.grad.numpy(), "d std / dx vs torch")
