@@ -29,6 +29,8 @@ from flame.compile import TraceError, compile  # noqa: A004 (flame.compile, as t
 from flame.creation import (
     arange,
     bernoulli,
+    empty,
+    empty_like,
     from_dlpack,
     from_numpy,
     full,
@@ -163,7 +165,7 @@ __all__ = [
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
     "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
-    "masked_select", "device", "double", "float64", "int8", "int16", "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
+    "masked_select", "empty", "empty_like", "device", "double", "float64", "int8", "int16", "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
     "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",
     "chunk", "clone", "diag", "diagonal", "meshgrid", "moveaxis", "movedim", "outer",
     "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",

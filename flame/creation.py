@@ -6,6 +6,7 @@ never write the zeros or the random numbers to memory.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,6 +27,30 @@ _NARROWED = {
 }
 
 
+def creation(function):
+    """PyTorch's keyword arguments of a creation function: ``device=`` (``"cuda"``, or
+    ``"cpu"`` for the reference backend; a ``*_like`` function defaults to its input's) and
+    ``requires_grad=``; ``layout=`` and ``pin_memory=`` are accepted for their defaults."""
+
+    @functools.wraps(function)
+    def create(*args, device=None, requires_grad=False, layout=None, pin_memory=False, **kwargs):
+        if device is None and args and isinstance(args[0], Tensor) and function.__name__.endswith(
+            "_like"
+        ):
+            device = args[0].device
+        if device is not None:
+            from flame.backend import backend as use_backend
+            from flame.devices import device as as_device
+
+            with use_backend(as_device(device).backend):
+                result = function(*args, **kwargs)
+        else:
+            result = function(*args, **kwargs)
+        return result.requires_grad_() if requires_grad else result
+
+    return create
+
+
 def _flame_dtype_of(array: np.ndarray) -> dtypes.DType:
     if array.dtype in _NARROWED:
         return _NARROWED[array.dtype]
@@ -44,6 +69,7 @@ def _buffer(array: np.ndarray, dtype: dtypes.DType, backend_name: str) -> Tensor
     return Tensor(node, backend_name)
 
 
+@creation
 def tensor(data, dtype=None) -> Tensor:
     """A tensor holding a copy of ``data`` (array, nested lists or a number)."""
     if isinstance(data, Tensor):
@@ -71,6 +97,7 @@ def from_numpy(array: np.ndarray) -> Tensor:
     return _buffer(array, target, get_backend())
 
 
+@creation
 def full(shape, fill_value, dtype=None) -> Tensor:
     shape = normalize_shape((shape,), "full")
     target = dtypes.dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
@@ -81,10 +108,12 @@ def full(shape, fill_value, dtype=None) -> Tensor:
     return Tensor(node, get_backend())
 
 
+@creation
 def zeros(*shape, dtype=dtypes.float32) -> Tensor:
     return full(normalize_shape(shape, "zeros"), 0, dtype=dtype)
 
 
+@creation
 def ones(*shape, dtype=dtypes.float32) -> Tensor:
     return full(normalize_shape(shape, "ones"), 1, dtype=dtype)
 
@@ -94,6 +123,7 @@ def _generated(op: str, shape, dtype, site, **attrs) -> Tensor:
     return Tensor(node, get_backend())
 
 
+@creation
 def arange(start, end=None, step=1, dtype=None) -> Tensor:
     """``start, start + step, ...`` below ``end`` (PyTorch's rules; ints give int64)."""
     if end is None:
@@ -127,18 +157,21 @@ def _random(op, shape, seed, dtype, generator=None, requires_grad=False) -> Tens
     return result.requires_grad_() if requires_grad else result
 
 
+@creation
 def rand(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
     """Uniform [0, 1) numbers, generated in the consuming kernel (Philox): from
     ``generator`` (default: the default generator, ``fl.manual_seed``), or keyed by ``seed``."""
     return _random("rand", shape, seed, dtype, generator, requires_grad)
 
 
+@creation
 def randn(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
     """Standard normal numbers, generated in the consuming kernel (Philox): from
     ``generator`` (default: the default generator), or keyed by ``seed``."""
     return _random("randn", shape, seed, dtype, generator, requires_grad)
 
 
+@creation
 def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_grad=False):
     """Integers uniform in [low, high) (``randint(high, size)`` as PyTorch too)."""
     if size is None:
@@ -166,12 +199,14 @@ def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_g
     return value.to(target) if target is not dtypes.int64 else value
 
 
+@creation
 def randint_like(other: Tensor, low=0, high=None, *, generator=None, dtype=None) -> Tensor:
     if high is None:
         low, high = 0, low
     return randint(low, high, other.shape, generator=generator, dtype=dtype or other.dtype)
 
 
+@creation
 def randperm(n: int, *, generator=None, dtype=None, requires_grad=False) -> Tensor:
     """A random permutation of 0..n-1, drawn on the host from the generator (as PyTorch
     does on the CPU); not inside ``flame.compile``."""
@@ -210,6 +245,7 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, g
         return tensor(with_backend)
 
 
+@creation
 def normal(mean=0.0, std=1.0, size=None, *, generator=None, dtype=None) -> Tensor:
     """Normal numbers of ``mean`` and ``std`` (numbers or tensors, broadcast)."""
     shapes = [t.shape for t in (mean, std) if isinstance(t, Tensor)]
@@ -224,18 +260,34 @@ def normal(mean=0.0, std=1.0, size=None, *, generator=None, dtype=None) -> Tenso
     return randn(shape, generator=generator, dtype=dtype) * std + mean
 
 
+@creation
+def empty(*shape, dtype=dtypes.float32) -> Tensor:
+    """As ``zeros``: FLAME never hands out uninitialized memory (a lazy constant costs
+    nothing until a kernel reads it)."""
+    return zeros(*shape, dtype=dtype)
+
+
+@creation
+def empty_like(other: Tensor, dtype=None) -> Tensor:
+    return zeros(other.shape, dtype=dtype or other.dtype)
+
+
+@creation
 def zeros_like(other: Tensor, dtype=None) -> Tensor:
     return zeros(other.shape, dtype=dtype or other.dtype)
 
 
+@creation
 def ones_like(other: Tensor, dtype=None) -> Tensor:
     return ones(other.shape, dtype=dtype or other.dtype)
 
 
+@creation
 def full_like(other: Tensor, fill_value, dtype=None) -> Tensor:
     return full(other.shape, fill_value, dtype=dtype or other.dtype)
 
 
+@creation
 def rand_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
     return rand(
         other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,
@@ -243,6 +295,7 @@ def rand_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_
     )  # fmt: skip
 
 
+@creation
 def randn_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
     return randn(
         other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.creation import arange, tensor
+from flame.creation import arange, creation, tensor
 from flame.functional import where
 from flame.ir import dtypes
 from flame.shaping import user_errors
@@ -32,6 +32,7 @@ def _requires_grad(result, requires_grad: bool):
 
 
 @user_errors
+@creation
 def linspace(start, end, steps: int, *, dtype=None, requires_grad: bool = False):
     """``steps`` values from ``start`` to ``end`` inclusive, evenly spaced. As PyTorch, the
     first half counts up from ``start`` and the second half down from ``end``, so both
@@ -52,6 +53,7 @@ def linspace(start, end, steps: int, *, dtype=None, requires_grad: bool = False)
 
 
 @user_errors
+@creation
 def logspace(start, end, steps: int, base: float = 10.0, *, dtype=None,
              requires_grad: bool = False):  # fmt: skip
     """``base ** linspace(start, end, steps)``."""
@@ -62,6 +64,7 @@ def logspace(start, end, steps: int, base: float = 10.0, *, dtype=None,
 
 
 @user_errors
+@creation
 def eye(n: int, m: int | None = None, *, dtype=None, requires_grad: bool = False):
     """The ``n`` x ``m`` identity matrix (``m = n`` when None)."""
     rows = _count("eye", n, "n")
@@ -84,6 +87,7 @@ def _triangle_indices(op: str, row, col, offset, dtype, upper: bool):
 
 
 @user_errors
+@creation
 def tril_indices(row: int, col: int, offset: int = 0, *, dtype=None):
     """The [2, N] coordinates of the lower triangle of a ``row`` x ``col`` matrix, row by
     row (``offset``: which diagonal bounds it)."""
@@ -91,6 +95,7 @@ def tril_indices(row: int, col: int, offset: int = 0, *, dtype=None):
 
 
 @user_errors
+@creation
 def triu_indices(row: int, col: int, offset: int = 0, *, dtype=None):
     """The [2, N] coordinates of the upper triangle of a ``row`` x ``col`` matrix."""
     return _triangle_indices("triu_indices", row, col, offset, dtype, upper=True)

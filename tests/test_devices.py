@@ -35,3 +35,29 @@ def test_moving_between_the_gpu_and_the_cpu_copies_values():
     back = (on_gpu * 2).to("cpu")
     assert back.device == "cpu"
     np.testing.assert_array_equal(back.numpy(), x.numpy() * 2)
+
+
+def test_creation_functions_take_device_and_requires_grad():
+    made = [
+        fl.zeros(2, 3, device="cpu", requires_grad=True),
+        fl.ones(2, device="cpu", requires_grad=True),
+        fl.full((2,), 1.5, device="cpu", requires_grad=True),
+        fl.tensor([1.0, 2.0], device="cpu", requires_grad=True),
+        fl.arange(0.0, 3.0, device="cpu", requires_grad=True),
+        fl.rand(2, device="cpu", requires_grad=True),
+        fl.randn(2, device="cpu", requires_grad=True),
+        fl.linspace(0, 1, 4, device="cpu", requires_grad=True),
+        fl.eye(2, device="cpu", requires_grad=True),
+        fl.empty(3, device="cpu", requires_grad=True),
+    ]
+    for tensor in made:
+        assert tensor.device == "cpu" and tensor.requires_grad
+    with fl.backend("reference"):
+        source = fl.ones(2)
+    for like in (fl.zeros_like, fl.ones_like, fl.rand_like, fl.randn_like, fl.empty_like):
+        assert like(source).device == "cpu"  # the input's device, whatever the current one
+    with pytest.raises(fl.GradError, match="only float tensors"):
+        fl.randint(0, 3, (2,), device="cpu", requires_grad=True)
+    total = (made[0] * 2).sum()
+    total.backward()
+    np.testing.assert_array_equal(made[0].grad.numpy(), np.full((2, 3), 2.0, np.float32))
