@@ -111,9 +111,13 @@ def random_host_rows(calls: int = 2000) -> dict:
             for _ in range(calls):
                 step(x)
             fl.synchronize()
-            rows[f"compiled_us_per_call_{draws}_draws"] = (time.perf_counter() - start) / calls * 1e6
+            rows[f"compiled_us_per_call_{draws}_draws"] = (
+                (time.perf_counter() - start) / calls * 1e6
+            )
             rows[f"traces_{draws}_draws"] = step.cache_info().traces
-    rows["us_per_draw_1"] = rows["compiled_us_per_call_1_draws"] - rows["compiled_us_per_call_0_draws"]
+    rows["us_per_draw_1"] = (
+        rows["compiled_us_per_call_1_draws"] - rows["compiled_us_per_call_0_draws"]
+    )
     rows["us_per_draw_8"] = (
         rows["compiled_us_per_call_8_draws"] - rows["compiled_us_per_call_0_draws"]
     ) / 8

@@ -15,7 +15,6 @@ from flame import (
 from flame._version import __version__
 from flame.autograd import (
     GradError,
-    checkpoint,
     enable_grad,
     grad,
     inference_mode,
@@ -26,6 +25,7 @@ from flame.autograd import (
 )  # fmt: skip
 from flame.backend import backend, get_backend, synchronize
 from flame.compile import TraceError, compile  # noqa: A004 (flame.compile, as torch.compile)
+from flame.contraction import einsum
 from flame.creation import (
     arange,
     bernoulli,
@@ -35,10 +35,10 @@ from flame.creation import (
     from_numpy,
     full,
     full_like,
-    ones,
-    ones_like,
     multinomial,
     normal,
+    ones,
+    ones_like,
     rand,
     rand_like,
     randint,
@@ -50,9 +50,8 @@ from flame.creation import (
     zeros,
     zeros_like,
 )  # fmt: skip
-from flame.devices import device
 from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
-from flame.contraction import einsum
+from flame.devices import device
 from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
@@ -100,6 +99,7 @@ from flame.random import (
     set_rng_state,
 )  # fmt: skip
 from flame.ranges import eye, linspace, logspace, tril_indices, triu_indices
+from flame.recompute import checkpoint
 from flame.reductions import (
     all,
     amax,
@@ -120,8 +120,19 @@ from flame.reductions import (
 )
 from flame.scan import cummax, cummin, cumprod, cumsum, logcumsumexp
 from flame.shaping import (
-    chunk, clone, diag, diagonal, meshgrid, moveaxis, movedim, outer, repeat_interleave, roll,
-    split, unbind, unflatten,
+    chunk,
+    clone,
+    diag,
+    diagonal,
+    meshgrid,
+    moveaxis,
+    movedim,
+    outer,
+    repeat_interleave,
+    roll,
+    split,
+    unbind,
+    unflatten,
 )  # fmt: skip
 from flame.sorting import argsort, msort, sort, topk
 from flame.tensor import Tensor, clamp, realize
@@ -165,7 +176,8 @@ __all__ = [
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
     "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
-    "masked_select", "empty", "empty_like", "device", "double", "float64", "int8", "int16", "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
+    "masked_select", "empty", "empty_like", "device", "double", "float64", "int8", "int16",
+    "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
     "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",
     "chunk", "clone", "diag", "diagonal", "meshgrid", "moveaxis", "movedim", "outer",
     "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",

@@ -34,8 +34,11 @@ def creation(function):
 
     @functools.wraps(function)
     def create(*args, device=None, requires_grad=False, layout=None, pin_memory=False, **kwargs):
-        if device is None and args and isinstance(args[0], Tensor) and function.__name__.endswith(
-            "_like"
+        if (
+            device is None
+            and args
+            and isinstance(args[0], Tensor)
+            and function.__name__.endswith("_like")
         ):
             device = args[0].device
         if device is not None:
@@ -176,7 +179,9 @@ def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_g
     """Integers uniform in [low, high) (``randint(high, size)`` as PyTorch too)."""
     if size is None:
         if high is None or not isinstance(high, (tuple, list)):
-            raise TypeError("randint: give size, e.g. randint(low, high, (n,)) or randint(high, (n,))")
+            raise TypeError(
+                "randint: give size, e.g. randint(low, high, (n,)) or randint(high, (n,))"
+            )
         low, high, size = 0, low, high
     elif high is None:
         low, high = 0, low
@@ -228,7 +233,9 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, g
         raise ValueError(f"multinomial: input must be 1-d or 2-d, got {list(weights.shape)}")
     rows = weights.reshape(-1, weights.shape[-1])
     if (rows < 0).any() or not np.isfinite(rows).all() or (rows.sum(-1) <= 0).any():
-        raise RuntimeError("multinomial: invalid probability distribution (sum <= 0, inf, nan or < 0)")
+        raise RuntimeError(
+            "multinomial: invalid probability distribution (sum <= 0, inf, nan or < 0)"
+        )
     if not replacement and num_samples > rows.shape[-1]:
         raise RuntimeError(
             f"multinomial: cannot sample {num_samples} > {rows.shape[-1]} without replacement"

@@ -189,7 +189,13 @@ def _scatter_replace(input: Tensor, dim: int, index: Tensor, source: Tensor) -> 
 
 
 def scatter_reduce(
-    input: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str, *, include_self=True,  # noqa: A002
+    input: Tensor,
+    dim: int,
+    index: Tensor,
+    src: Tensor,
+    reduce: str,
+    *,
+    include_self=True,  # noqa: A002
 ) -> Tensor:
     """``torch.scatter_reduce`` for ``reduce='sum'`` and ``'mean'`` (``amax``, ``amin`` and
     ``prod`` are not supported yet: an error names them)."""
@@ -269,12 +275,17 @@ def advanced_index(x: Tensor, items: tuple) -> Tensor:
     try:
         shape = broadcast_shapes("index", *(index.shape for _, index in advanced))
     except ShapeError as error:
-        raise at_user_line(IndexError(f"shape mismatch: indexing tensors could not be "
-                                      f"broadcast together ({error})")) from None
+        raise at_user_line(
+            IndexError(
+                f"shape mismatch: indexing tensors could not be broadcast together ({error})"
+            )
+        ) from None
     sizes = [view.shape[d] for d in dims]
     rest = [d for d in range(view.ndim) if d not in dims]
     moved = permute(view, tuple(dims + rest))
-    flat = reshape(moved, (int(np.prod(sizes, dtype=np.int64)),) + tuple(view.shape[d] for d in rest))
+    flat = reshape(
+        moved, (int(np.prod(sizes, dtype=np.int64)),) + tuple(view.shape[d] for d in rest)
+    )
     linear = None
     stride = 1
     for (_, index), size in reversed(list(zip(advanced, sizes))):
@@ -287,8 +298,10 @@ def advanced_index(x: Tensor, items: tuple) -> Tensor:
     adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
     if adjacent and dims[0] > 0:  # the index dims take the indexed dims' place
         lead, count = dims[0], len(shape)
-        order = list(range(count, count + lead)) + list(range(count)) + list(
-            range(count + lead, result.ndim)
+        order = (
+            list(range(count, count + lead))
+            + list(range(count))
+            + list(range(count + lead, result.ndim))
         )
         result = permute(result, tuple(order))
     return result
@@ -333,13 +346,16 @@ def _as_index_tensors(x: Tensor, item) -> list[Tensor]:
     if isinstance(item, Tensor):
         if item.dtype.is_float:
             raise at_user_line(
-                IndexError(f"tensors used as indices must be integer or bool, got {item.dtype.name}")
+                IndexError(
+                    f"tensors used as indices must be integer or bool, got {item.dtype.name}"
+                )
             )
         return [item if item.dtype is dtypes.int64 else item.to(dtypes.int64)]
     values = np.asarray(item)
     if values.dtype.kind not in "iu":
-        raise at_user_line(IndexError(f"unsupported index {item!r} (ints, slices, None, ..., "
-                                      "int or bool tensors)"))
+        raise at_user_line(
+            IndexError(f"unsupported index {item!r} (ints, slices, None, ..., int or bool tensors)")
+        )
     with use_backend(x.backend):
         return [creation.tensor(values.astype(np.int64))]
 

@@ -1,14 +1,12 @@
-"""A tensor's memory seen from outside: DLPack, the CUDA array interface, its address, and
-(``copy_`` and the other in-place writes live in flame/inplace.py). Attached to ``Tensor`` here, as the view methods are in
-flame/views.py; all of these realize the tensor first."""
+"""A tensor's memory seen from outside: DLPack, the CUDA array interface and its address
+(``copy_`` and the other in-place writes live in flame/inplace.py). Attached to ``Tensor``
+here, as the view methods are in flame/views.py; all of these realize the tensor first."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from flame.ir import dtypes
-from flame.ir.node import format_site, user_site
-from flame.ir.shapes import ShapeError, broadcast_shapes
 from flame.tensor import Tensor
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from flame.backend import backend as use_backend
 from flame.ir.shapes import ShapeError, normalize_shape, prod
 from flame.tensor import Tensor, apply_op
 

@@ -37,7 +37,9 @@ CASES = {
 def test_advanced_indexing_matches_numpy(backend, rng, name):
     values = rng.standard_normal((3, 4, 5)).astype(np.float32)
     expected = values[CASES[name](np.asarray)]
-    actual = fl.tensor(values)[CASES[name](lambda a: fl.tensor(a) if isinstance(a, np.ndarray) else a)]
+    actual = fl.tensor(values)[
+        CASES[name](lambda a: fl.tensor(a) if isinstance(a, np.ndarray) else a)
+    ]
     assert actual.shape == expected.shape
     np.testing.assert_array_equal(actual.numpy(), expected)
 

@@ -81,6 +81,4 @@ def test_nonzero_and_masked_select(backend, rng):
     (empty * 3).sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), np.zeros((3, 4), np.float32))
     row_mask = fl.tensor(np.array([True, False, True, False]))  # broadcast over rows
-    np.testing.assert_array_equal(
-        x.masked_select(row_mask).numpy(), values[:, [0, 2]].reshape(-1)
-    )
+    np.testing.assert_array_equal(x.masked_select(row_mask).numpy(), values[:, [0, 2]].reshape(-1))

@@ -24,7 +24,9 @@ from flame.ir.ops.registry import def_op
 
 def philox_ref(seed, counter, word=0):
     seed, counter = np.broadcast_arrays(np.asarray(seed), np.asarray(counter))
-    words = philox4x32(counter.astype(np.int64).view(np.uint64), seed.astype(np.int64).view(np.uint64))
+    words = philox4x32(
+        counter.astype(np.int64).view(np.uint64), seed.astype(np.int64).view(np.uint64)
+    )
     return (words[int(word)] >> np.uint32(8)).astype(np.int64)
 
 
