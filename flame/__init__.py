@@ -7,7 +7,7 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 from flame import (
     devices,  # noqa: F401  (x.device, x.to(device), x.cpu(), x.cuda())
     dtype_views,  # noqa: F401  (Tensor.double/byte/char/short/type)
-    inplace,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
+    inplace_ops,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
     interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
     optim,  # noqa: E402  (written with the public ops above)
