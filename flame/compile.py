@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from flame.determinism import are_deterministic_algorithms_enabled
+from flame.effects import Trace, direct_writes, drawing, write_back
 from flame.ir.node import Node, format_site, user_site
 from flame.replay import (
     MISS,
@@ -131,47 +132,6 @@ class _Program:
             if owner is None or (owner.grad is not None) != had_grad:
                 return False
         return True
-
-
-class _Trace:
-    """What one trace records besides the graph: the ``.grad`` assignments of backward()."""
-
-    def __init__(self):
-        self.grads: dict[int, tuple] = {}  # id(owner) -> (owner, grad held before)
-        self.draws: dict = {}  # generator -> numbers the traced function draws from it
-        # in-place writes to memory: id(storage) -> [storage, the last value written,
-        # (tensor, its node before the trace) per tensor written]
-        self.writes: dict[int, list] = {}
-        self.written: tuple = ()  # the writes as the program makes them (set by _build)
-
-    def note_write(self, target: Tensor, storage, value: Node) -> None:
-        entry = self.writes.setdefault(id(storage), [storage, value, []])
-        entry[1] = value
-        if all(tensor is not target for tensor, _ in entry[2]):
-            entry[2].append((target, target.node))
-
-    def storage_written(self, target: Tensor):
-        """The memory ``target`` stands for, if this trace wrote it before."""
-        for storage, _, tensors in self.writes.values():
-            if any(tensor is target for tensor, _ in tensors):
-                return storage
-        return None
-
-    def restore_written(self) -> None:
-        """The written tensors read their memory again (the replay writes it)."""
-        for _, _, tensors in self.writes.values():
-            for tensor, node in tensors:
-                tensor.node = node
-
-    def note_draw(self, generator, count: int) -> int:
-        """A draw of ``count`` numbers: its offset within the call's draws."""
-        local = self.draws.get(generator, 0)
-        self.draws[generator] = local + count
-        return local
-
-    def note_grad(self, owner: Tensor) -> None:
-        if id(owner) not in self.grads:
-            self.grads[id(owner)] = (owner, owner.grad)
 
 
 def _storage(tensor: Tensor):
@@ -345,7 +305,7 @@ class CompiledFunction:
             Tensor(node, a.backend) if node is not None else a
             for node, a in zip(placeholders, args)
         ]
-        trace = _Trace()
+        trace = Trace()
         token = _tracing.set(trace)
         try:
             result = self._call(traced_args, names)
@@ -432,7 +392,7 @@ class CompiledFunction:
         # the plan's outputs come back in the order it was asked for them
         outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
         program = _Program(outputs, sources, plan, **common)
-        program.direct = _direct_writes(program, order, inputs, trace)
+        program.direct = direct_writes(program, order, inputs, trace)
         if not grads and not trace.written and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):
@@ -442,7 +402,7 @@ class CompiledFunction:
                 arity=len(placeholders), key=call_key,
             )  # fmt: skip
             if program.generators and program.entry is not None:
-                program.entry = _drawing(program.entry, program.generators, backend)
+                program.entry = drawing(program.entry, program.generators, backend)
             program.key = call_key
         return program
 
@@ -460,7 +420,7 @@ class CompiledFunction:
         for ((kind, target), index), slot in zip(program.writes, direct):
             if slot is None:  # computed apart: copied into the memory
                 storage = _storage(args[target]) if kind == "arg" else target
-                _write_back(storage, flat[index])
+                write_back(storage, flat[index])
         return unflatten(program.treedef, iter(flat))
 
     def _source_storage(self, program, kind, value, args):
@@ -515,63 +475,6 @@ class CompiledFunction:
             )
             for node, value in zip(program.out_nodes, values)
         ]
-
-
-def _direct_writes(program: _Program, order, inputs, trace) -> tuple:
-    """Per in-place write of a CUDA program, the output slot its plan writes straight into
-    the tensor's memory, or None where the value must be computed apart and copied (the
-    memory is read through a view or by a reduction, or a library call computes it)."""
-    from flame.runtime.executor import reads_elementwise, writable
-
-    direct = []
-    for (target, index), (storage, value, _) in zip(program.writes, trace.writes.values()):
-        kind, position = program.flat[index]
-        array = storage.array
-        contiguous = array is not None and array.flags.c_contiguous
-        if kind != "out" or not contiguous or tuple(array.shape) != value.shape:
-            direct.append(None)
-            continue
-        aliased = [slot for slot, source in enumerate(program.sources) if _same(source, target)]
-        slot = program.plan.output_slots[position]
-        safe = reads_elementwise(order, [inputs[i] for i in aliased], value.shape)
-        direct.append(slot if safe and writable(program.plan, slot, aliased) else None)
-    return tuple(direct)
-
-
-def _same(source: tuple, target: tuple) -> bool:
-    """Whether a plan input's source is the memory a write targets."""
-    if source[0] != target[0]:
-        return False
-    return source[1] is target[1] if source[0] == "storage" else source[1] == target[1]
-
-
-def _drawing(entry, generators, backend: str):
-    """A generated entry of a program that draws random numbers: the generators advance
-    (their state buffers written, stream-ordered) before its launch, and take the numbers
-    back when the entry turns out not to match the call (``MISS``)."""
-
-    def drawing(args):
-        for generator, count in generators:
-            generator._advance_for_call(backend, count)
-        result = entry(args)
-        if result is MISS:
-            for generator, count in generators:
-                generator._take(-count)
-        return result
-
-    return drawing
-
-
-def _write_back(storage, value: Tensor) -> None:
-    """An in-place write of a compiled program: its value copied into the memory."""
-    source = _storage(value)
-    if storage.backend == "reference":
-        from flame.foreach import writable_array
-
-        writable_array(storage)[...] = source.numpy().reshape(storage.array.shape)
-    else:
-        array = storage.device_array()
-        array[...] = source.device_array().reshape(array.shape)
 
 
 def _front(state: CompiledFunction):

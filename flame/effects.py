@@ -1,0 +1,112 @@
+"""What a compiled program does besides computing its results, recorded while tracing
+(``Trace``) and done at every call: ``.grad`` assignments (in flame/compile.py), advancing
+the generators it draws from (``drawing``: the generated entry of a program that draws), and
+in-place writes to memory (``direct_writes``: the plan's kernel writes the memory where
+that is safe; ``write_back``: otherwise the value is copied in after the call).
+"""
+
+from __future__ import annotations
+
+from flame.ir.node import Node
+from flame.replay import MISS
+from flame.runtime.storage import storage_of
+from flame.tensor import Tensor
+
+
+class Trace:
+    """What one trace records besides the graph: the ``.grad`` assignments of backward(),
+    the numbers drawn from each generator, and the in-place writes to memory."""
+
+    def __init__(self):
+        self.grads: dict[int, tuple] = {}  # id(owner) -> (owner, grad held before)
+        self.draws: dict = {}  # generator -> numbers the traced function draws from it
+        # in-place writes to memory: id(storage) -> [storage, the last value written,
+        # (tensor, its node before the trace) per tensor written]
+        self.writes: dict[int, list] = {}
+        self.written: tuple = ()  # the writes as the program makes them (set by _build)
+
+    def note_write(self, target: Tensor, storage, value: Node) -> None:
+        entry = self.writes.setdefault(id(storage), [storage, value, []])
+        entry[1] = value
+        if all(tensor is not target for tensor, _ in entry[2]):
+            entry[2].append((target, target.node))
+
+    def storage_written(self, target: Tensor):
+        """The memory ``target`` stands for, if this trace wrote it before."""
+        for storage, _, tensors in self.writes.values():
+            if any(tensor is target for tensor, _ in tensors):
+                return storage
+        return None
+
+    def restore_written(self) -> None:
+        """The written tensors read their memory again (the replay writes it)."""
+        for _, _, tensors in self.writes.values():
+            for tensor, node in tensors:
+                tensor.node = node
+
+    def note_draw(self, generator, count: int) -> int:
+        """A draw of ``count`` numbers: its offset within the call's draws."""
+        local = self.draws.get(generator, 0)
+        self.draws[generator] = local + count
+        return local
+
+    def note_grad(self, owner: Tensor) -> None:
+        if id(owner) not in self.grads:
+            self.grads[id(owner)] = (owner, owner.grad)
+
+
+def direct_writes(program, order, inputs, trace) -> tuple:
+    """Per in-place write of a CUDA program, the output slot its plan writes straight into
+    the tensor's memory, or None where the value must be computed apart and copied (the
+    memory is read through a view or by a reduction, or a library call computes it)."""
+    from flame.runtime.executor import reads_elementwise, writable
+
+    direct = []
+    for (target, index), (storage, value, _) in zip(program.writes, trace.writes.values()):
+        kind, position = program.flat[index]
+        array = storage.array
+        contiguous = array is not None and array.flags.c_contiguous
+        if kind != "out" or not contiguous or tuple(array.shape) != value.shape:
+            direct.append(None)
+            continue
+        aliased = [slot for slot, source in enumerate(program.sources) if _same(source, target)]
+        slot = program.plan.output_slots[position]
+        safe = reads_elementwise(order, [inputs[i] for i in aliased], value.shape)
+        direct.append(slot if safe and writable(program.plan, slot, aliased) else None)
+    return tuple(direct)
+
+
+def _same(source: tuple, target: tuple) -> bool:
+    """Whether a plan input's source is the memory a write targets."""
+    if source[0] != target[0]:
+        return False
+    return source[1] is target[1] if source[0] == "storage" else source[1] == target[1]
+
+
+def drawing(entry, generators, backend: str):
+    """A generated entry of a program that draws random numbers: the generators advance
+    (their state buffers written, stream-ordered) before its launch, and take the numbers
+    back when the entry turns out not to match the call (``MISS``)."""
+
+    def drawing(args):
+        for generator, count in generators:
+            generator._advance_for_call(backend, count)
+        result = entry(args)
+        if result is MISS:
+            for generator, count in generators:
+                generator._take(-count)
+        return result
+
+    return drawing
+
+
+def write_back(storage, value: Tensor) -> None:
+    """An in-place write of a compiled program: its value copied into the memory."""
+    source = storage_of(value.node)
+    if storage.backend == "reference":
+        from flame.foreach import writable_array
+
+        writable_array(storage)[...] = source.numpy().reshape(storage.array.shape)
+    else:
+        array = storage.device_array()
+        array[...] = source.device_array().reshape(array.shape)
