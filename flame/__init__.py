@@ -135,7 +135,7 @@ from flame.shaping import (
     unflatten,
 )  # fmt: skip
 from flame.sorting import argsort, msort, sort, topk
-from flame.tensor import Tensor, clamp, realize
+from flame.tensor import Tensor, realize
 from flame.tools.debug import activate_from_environment as _activate_dump
 from flame.tools.debug import dump
 from flame.views import (

@@ -130,7 +130,7 @@ def _masked_fill(self, mask, value):
 
 
 def _clamp(self, min=None, max=None):  # noqa: A002 (PyTorch's names)
-    from flame.tensor import clamp
+    from flame.functional import clamp
 
     return clamp(self, min, max)
 
