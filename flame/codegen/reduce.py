@@ -218,7 +218,11 @@ class _ReduceWriter(RowLoads):
         self.loop_items = items if self.columns else self.items
 
     def _vectorizable(self) -> bool:
-        widest = max([r.base.dtype.itemsize for r in self.reads if not r.generated], default=1)
+        vectorized = [  # per-row values (a class index) are read once a row, not in vectors
+            read for read in self.reads
+            if not read.generated and id(read.top) not in self.scalar_values
+        ]  # fmt: skip
+        widest = max([read.base.dtype.itemsize for read in vectorized], default=1)
         rows = [node for node in self.group.outputs if node.shape == self.shape]
         widest = max([widest] + [node.dtype.itemsize for node in rows])
         if widest * VECTOR_LANES > 16:  # vectors of 16 bytes at most: their alignment
