@@ -3,9 +3,9 @@
     python -m bench.inplace_random --out DIR
 
 1. An in-place EMA over 160 M float32 elements (``e.lerp_(p, w)`` under no_grad): device
-   time with the host's work hidden (``*_ms``; per call with it, ``*_ms_per_call``) against
-   the byte floor (read e, read p, write e at the measured copy bandwidth),
-   PyTorch eager's ``lerp_`` and torch.compile's.
+   time with the host's work hidden (``*_ms``; per call with it, ``*_ms_per_call``; the
+   timing loops of bench/training.py) against the byte floor (read e, read p, write e at the
+   measured copy bandwidth), PyTorch eager's ``lerp_`` and torch.compile's.
 2. Host time of a compiled step that draws random numbers: per call, with 0, 1 and 8 random
    ops, so the cost of a draw shows as the difference (the generator's state is written to
    the GPU once per call; no host synchronisation).
@@ -18,63 +18,18 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
+from bench.training import copy_bandwidth, device_ms, median_ms
 
-from bench.clocks import CupyClock, TorchClock
-
-ELEMENTS = 160 * 1024 * 1024 // 1  # 160 Mi float32
+ELEMENTS = 160 * 1024 * 1024  # 160 Mi float32
 
 
-def _events(fn, repeat=20, warmup=3):
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
-def _hidden(clock, fn, repeats=20, warmup=3, spin=0.005):
-    """Device time alone: each timed call queued behind a spin kernel (bench/clocks.py), so
-    the host's work of the call is done while the GPU still spins."""
-    for _ in range(warmup):
-        fn()
-    clock.synchronize()
-    times = []
-    for _ in range(repeats):
-        clock.spin(spin)
-        start, stop = clock.event(), clock.event()
-        start.record()
-        fn()
-        stop.record()
-        clock.synchronize()
-        times.append(clock.elapsed_ms(start, stop))
-    return float(np.median(times))
-
-
-def copy_bandwidth(count: int) -> float:
-    import cupy
-
-    source = cupy.random.random(count, dtype=cupy.float32)
-    target = cupy.empty_like(source)
-    ms = _events(lambda: target.__setitem__(Ellipsis, source))
-    return 2 * count * 4 / (ms * 1e-3)
-
-
-def ema_rows(count: int) -> dict:
+def ema_rows(count: int, repeats: int = 20) -> dict:
     import cupy
 
     import flame as fl
 
     rows = {}
-    bandwidth = copy_bandwidth(count)
+    bandwidth = copy_bandwidth()
     floor_ms = 3 * count * 4 / bandwidth * 1e3
     rows["copy_bandwidth_tb_s"] = bandwidth / 1e12
     rows["floor_ms"] = floor_ms
@@ -86,8 +41,8 @@ def ema_rows(count: int) -> dict:
             with fl.no_grad():
                 e.lerp_(p, 1e-3)
 
-        rows["flame_ms_per_call"] = _events(flame_step)
-        rows["flame_ms"] = _hidden(CupyClock(fl.synchronize), flame_step)
+        rows["flame_ms_per_call"] = median_ms(flame_step, repeats)
+        rows["flame_ms"] = device_ms(flame_step, repeats)
     try:
         import torch
 
@@ -98,16 +53,14 @@ def ema_rows(count: int) -> dict:
             with torch.no_grad():
                 te.lerp_(tp, 1e-3)
 
-        clock = TorchClock()
-        rows["torch_eager_ms_per_call"] = _events(torch_step)
-        rows["torch_eager_ms"] = _hidden(clock, torch_step)
-
         @torch.compile
         def compiled(a, b):
             a.lerp_(b, 1e-3)
 
-        rows["torch_compile_ms_per_call"] = _events(lambda: compiled(te, tp))
-        rows["torch_compile_ms"] = _hidden(clock, lambda: compiled(te, tp))
+        rows["torch_eager_ms_per_call"] = median_ms(torch_step, repeats)
+        rows["torch_eager_ms"] = device_ms(torch_step, repeats)
+        rows["torch_compile_ms_per_call"] = median_ms(lambda: compiled(te, tp), repeats)
+        rows["torch_compile_ms"] = device_ms(lambda: compiled(te, tp), repeats)
     except Exception as error:  # noqa: BLE001  PyTorch absent or without CUDA
         rows["torch_error"] = f"{type(error).__name__}: {error}"
     rows["flame_fraction_of_floor"] = floor_ms / rows["flame_ms"]
@@ -153,13 +106,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--elements", type=int, default=ELEMENTS)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import cupy
 
     results = {
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-        "ema": ema_rows(args.elements),
+        "ema": ema_rows(args.elements, args.repeats),
         "random_host": random_host_rows(),
     }
     text = json.dumps(results, indent=2)

@@ -44,6 +44,14 @@ def cuda_backend():
         yield "cuda"
 
 
+@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request):
+    """The test body twice: on the reference backend (CPU tier) and on the GPU (gpu tier,
+    skipped with the reason where there is none)."""
+    with fl.backend(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """A generator seeded from the test's id: the same numbers in any order, on any worker."""

@@ -8,15 +8,6 @@ import pytest
 
 import flame as fl
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
-
-
 ROWS = np.array([0, 2, -1])
 COLS = np.array([[1], [3]])
 CASES = {

@@ -15,15 +15,8 @@ import pytest
 
 import flame as fl
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
 NAN, INF = float("nan"), float("inf")
 UNARY_MATH = "erfinv exp2 log2 log10 asin acos atan sinh cosh tan asinh acosh atanh".split()
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
 
 
 def current_line() -> int:

@@ -13,15 +13,8 @@ import pytest
 
 import flame as fl
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
 pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom:UserWarning")  # PyTorch
 NAN, INF = float("nan"), float("inf")
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
 
 
 def current_line() -> int:

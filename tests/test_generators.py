@@ -11,14 +11,6 @@ import pytest
 import flame as fl
 import flame.nn.functional as F
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
-
 
 def test_draws_advance_and_a_seed_reproduces_them(backend):
     fl.manual_seed(123)

@@ -9,14 +9,6 @@ import pytest
 
 import flame as fl
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
-
 
 def _t(rng, *shape):
     return fl.tensor(rng.standard_normal(shape).astype(np.float32)).realize()

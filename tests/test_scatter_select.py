@@ -8,14 +8,6 @@ import pytest
 
 import flame as fl
 
-BACKENDS = ["reference", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    with fl.backend(request.param):
-        yield request.param
-
 
 @pytest.fixture
 def torch():
