@@ -271,3 +271,19 @@ def test_setitem_on_a_lazy_value_and_on_strided_memory(backend, rng):
     expected = source.T.copy()
     expected[1] = 0.0
     np.testing.assert_allclose(strided.numpy(), expected + 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["elu", "celu", "selu", "relu6", "hardtanh", "hardswish",
+                                  "hardsigmoid", "mish", "dropout"])  # fmt: skip
+def test_inplace_activations_write_their_input(backend, rng, name):
+    import flame.nn.functional as F
+
+    x = _t(rng, 64)
+
+    def options():  # dropout: the same mask twice, from a fresh generator of one seed
+        return {"p": 0.5, "generator": fl.Generator().manual_seed(1)} if name == "dropout" else {}
+
+    expected = getattr(F, name)(x, **options()).numpy()
+    result = getattr(F, name)(x, inplace=True, **options())
+    assert result is x
+    np.testing.assert_allclose(x.numpy(), expected, rtol=1e-6)

@@ -21,21 +21,27 @@ def _negative_part(x: Tensor) -> Tensor:
     return where(x > 0, 0.0, x)
 
 
+def _written(input: Tensor, value: Tensor, inplace: bool) -> Tensor:  # noqa: A002
+    """``inplace=True``: the value written into ``input`` (flame/inplace.py), as PyTorch."""
+    return input.copy_(value) if inplace else value
+
+
 def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:  # noqa: A002
     """``x`` where positive, ``alpha * (exp(x) - 1)`` elsewhere."""
-    return where(input > 0, input, alpha * _negative_part(input).expm1())
+    return _written(input, where(input > 0, input, alpha * _negative_part(input).expm1()), inplace)
 
 
 def celu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:  # noqa: A002
     """``max(0, x) + min(0, alpha * (exp(x / alpha) - 1))``."""
     if alpha == 0:
         raise ValueError("celu: alpha must not be 0")
-    return where(input > 0, input, alpha * (_negative_part(input) / alpha).expm1())
+    value = where(input > 0, input, alpha * (_negative_part(input) / alpha).expm1())
+    return _written(input, value, inplace)
 
 
 def selu(input: Tensor, inplace: bool = False) -> Tensor:  # noqa: A002
     """``scale * elu(x, alpha)`` with the self-normalizing constants."""
-    return SELU_SCALE * elu(input, SELU_ALPHA)
+    return _written(input, SELU_SCALE * elu(input, SELU_ALPHA), inplace)
 
 
 def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0,  # noqa: A002
@@ -43,22 +49,24 @@ def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0,  # noqa
     """``input`` clipped to [min_val, max_val]; gradient 1 strictly inside, 0 elsewhere."""
     if min_val > max_val:
         raise ValueError(f"hardtanh: min_val {min_val} is larger than max_val {max_val}")
-    return where(input <= min_val, float(min_val), where(input >= max_val, float(max_val), input))
+    value = where(input <= min_val, float(min_val), where(input >= max_val, float(max_val), input))
+    return _written(input, value, inplace)
 
 
 def relu6(input: Tensor, inplace: bool = False) -> Tensor:  # noqa: A002
-    return hardtanh(input, 0.0, 6.0)
+    return hardtanh(input, 0.0, 6.0, inplace)
 
 
 def hardswish(input: Tensor, inplace: bool = False) -> Tensor:  # noqa: A002
     """``x * relu6(x + 3) / 6``."""
     middle = input * (input + 3.0) * (1.0 / 6.0)
-    return where(input <= -3.0, 0.0, where(input < 3.0, middle, input))
+    return _written(input, where(input <= -3.0, 0.0, where(input < 3.0, middle, input)), inplace)
 
 
 def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:  # noqa: A002
     """``relu6(x + 3) / 6``."""
-    return where(input <= -3.0, 0.0, where(input >= 3.0, 1.0, input * (1.0 / 6.0) + 0.5))
+    value = where(input <= -3.0, 0.0, where(input >= 3.0, 1.0, input * (1.0 / 6.0) + 0.5))
+    return _written(input, value, inplace)
 
 
 def logsigmoid(input: Tensor) -> Tensor:  # noqa: A002
@@ -68,7 +76,7 @@ def logsigmoid(input: Tensor) -> Tensor:  # noqa: A002
 
 def mish(input: Tensor, inplace: bool = False) -> Tensor:  # noqa: A002
     """``x * tanh(softplus(x))``."""
-    return input * tanh(softplus(input))
+    return _written(input, input * tanh(softplus(input)), inplace)
 
 
 def softmin(input: Tensor, dim: int | None = None, _stacklevel: int = 3,  # noqa: A002
