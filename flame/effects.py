@@ -72,6 +72,8 @@ def direct_writes(program, order, inputs, trace) -> tuple:
         aliased = [slot for slot, source in enumerate(program.sources) if _same(source, target)]
         slot = program.plan.output_slots[position]
         safe = reads_elementwise(order, [inputs[i] for i in aliased], value.shape)
+        if slot in direct:  # one value written into two tensors: the second gets a copy
+            safe = False
         direct.append(slot if safe and writable(program.plan, slot, aliased) else None)
     return tuple(direct)
 

@@ -35,7 +35,10 @@ def _inplace(op: str, compute):
 
             value = full(self.shape, value, dtype=self.dtype)
         value = _check(self, value, op)
-        if value.node is self.node or not _fresh(value.node):
+        held = [self.node] + [a.node for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        if not _fresh(value.node) or any(value.node is node for node in held):
+            # a node a tensor already holds (``x.copy_(y)`` with a lazy y): the write takes
+            # a node of its own, so y never comes to stand for this tensor's memory
             value = _identity(value)
         return write(self, value, op)
 

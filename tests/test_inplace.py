@@ -287,3 +287,31 @@ def test_inplace_activations_write_their_input(backend, rng, name):
     result = getattr(F, name)(x, inplace=True, **options())
     assert result is x
     np.testing.assert_allclose(x.numpy(), expected, rtol=1e-6)
+
+
+def test_copying_a_lazy_value_does_not_alias_it(backend, rng):
+    source = _t(rng, 8)
+    doubled = source * 2  # lazy
+    target = _t(rng, 8)
+    target.copy_(doubled)
+    target.add_(1.0)  # must not change doubled
+    np.testing.assert_allclose(doubled.numpy(), source.numpy() * 2, rtol=1e-6)
+    np.testing.assert_allclose(target.numpy(), source.numpy() * 2 + 1, rtol=1e-6)
+
+
+def test_compiled_function_writing_one_value_into_two_tensors(backend, rng):
+    first, second = _t(rng, 16), _t(rng, 16)
+
+    @fl.compile
+    def spread(p):
+        value = p * 3
+        with fl.no_grad():
+            first.copy_(value)
+            second.copy_(value)
+        return p.sum()
+
+    p = _t(rng, 16)
+    spread(p)
+    spread(p)
+    np.testing.assert_allclose(first.numpy(), p.numpy() * 3, rtol=1e-6)
+    np.testing.assert_allclose(second.numpy(), p.numpy() * 3, rtol=1e-6)
