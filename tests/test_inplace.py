@@ -290,7 +290,7 @@ def test_inplace_activations_write_their_input(backend, rng, name):
 
 
 def test_copying_a_lazy_value_does_not_alias_it(backend, rng):
-    source = _t(rng, 8)
+    source = _t(rng, 8).requires_grad_()  # the write keeps the value's history
     doubled = source * 2  # lazy
     target = _t(rng, 8)
     target.copy_(doubled)
