@@ -320,8 +320,11 @@ class CompiledFunction:
         treedef = flatten(result, leaves)
         grads = []
         for owner, previous in trace.grads.values():
-            grads.append((owner, previous is not None, len(leaves)))
-            leaves.append(owner.grad)
+            if owner.grad is None:  # set to None in the function (zero_grad(set_to_none))
+                grads.append((owner, previous is not None, None))
+            else:
+                grads.append((owner, previous is not None, len(leaves)))
+                leaves.append(owner.grad)
             owner.grad = previous  # the replay reads it, then assigns the program's result
         writes = []
         storage_position = {
@@ -415,7 +418,7 @@ class CompiledFunction:
         for owner_ref, _, index in program.grads:
             owner = owner_ref()
             if owner is not None:
-                owner.grad = flat[index]
+                owner.grad = flat[index] if index is not None else None
         direct = program.direct or (None,) * len(program.writes)
         for ((kind, target), index), slot in zip(program.writes, direct):
             if slot is None:  # computed apart: copied into the memory

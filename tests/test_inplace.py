@@ -315,3 +315,28 @@ def test_compiled_function_writing_one_value_into_two_tensors(backend, rng):
     spread(p)
     np.testing.assert_allclose(first.numpy(), p.numpy() * 3, rtol=1e-6)
     np.testing.assert_allclose(second.numpy(), p.numpy() * 3, rtol=1e-6)
+
+
+def test_compiled_training_step_updates_weights_in_place_and_clears_grad(backend):
+    """A hand-written SGD step inside fl.compile: backward, an in-place update under
+    no_grad, and ``w.grad = None`` (zero_grad(set_to_none=True)) in the function."""
+    w = fl.tensor(np.ones(4, np.float32)).realize().requires_grad_()
+    x = fl.tensor(np.full(4, 0.5, np.float32))
+
+    @fl.compile
+    def step(x):
+        loss = ((w * x).sum() - 1.0) ** 2
+        loss.backward()
+        with fl.no_grad():
+            w.sub_(0.1 * w.grad)
+        w.grad = None
+        return loss
+
+    losses = [step(x).item() for _ in range(4)]
+    expected, value = [], 1.0  # every weight moves alike: w <- w - 0.1 * 2 (2w - 1) * 0.5
+    for _ in range(4):
+        expected.append((2 * value - 1) ** 2)
+        value -= 0.1 * (2 * value - 1)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    np.testing.assert_allclose(w.numpy(), np.full(4, value, np.float32), rtol=1e-5)
+    assert w.grad is None and step.cache_info().traces == 1
