@@ -84,12 +84,18 @@ def _requires_grad_leaf(node: Node) -> bool:
 
 def _check(target: Tensor, value: Tensor, op: str) -> Tensor:
     """``value`` broadcast and cast to ``target``; raises what PyTorch raises."""
+    if value.shape == target.shape and value.dtype is target.dtype:  # the usual case
+        if grad_enabled.get() and _requires_grad_leaf(target.node):
+            _refuse_leaf(op)
+        if value.backend != target.backend:
+            raise ValueError(
+                f"{op}: the value is on the {value.backend} backend, the tensor on "
+                f"{target.backend}"
+            )
+        return value
     site = user_site()
     if grad_enabled.get() and _requires_grad_leaf(target.node):
-        raise InplaceError(
-            f"{op}: a leaf tensor that requires grad (or a view of one) is used in an in-place "
-            f"operation; wrap it in flame.no_grad() [at {format_site(site)}]"
-        )
+        _refuse_leaf(op)
     try:
         shape = broadcast_shapes(op, value.shape, target.shape)
     except ShapeError:
@@ -114,6 +120,13 @@ def _check(target: Tensor, value: Tensor, op: str) -> Tensor:
     if value.shape != target.shape:
         value = value.broadcast_to(target.shape)
     return value
+
+
+def _refuse_leaf(op: str):
+    raise InplaceError(
+        f"{op}: a leaf tensor that requires grad (or a view of one) is used in an in-place "
+        f"operation; wrap it in flame.no_grad() [at {format_site(user_site())}]"
+    )
 
 
 def _can_cast(source: dtypes.DType, target: dtypes.DType) -> bool:

@@ -104,6 +104,8 @@ class Executor:
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
         # -> up to WALKS_PER_SITE RecordedWalks, newest first
         self._walks: dict[tuple, tuple] = {}
+        # in-place writes (``realize_into``): (id(plan), aliased input slots) -> (plan, safe)
+        self._into: dict[tuple, tuple] = {}
 
     def realize(self, nodes: list[Node]) -> None:
         if len(nodes) == 1:  # the common case, kept short: lazy mode pays this every call
@@ -186,20 +188,44 @@ class Executor:
         CuPy array of its shape and dtype: an in-place write, flame/inplace.py), by the
         kernel that computes it. Only where that is safe (``reads_elementwise``,
         ``writable``). Returns False (nothing run) otherwise; the caller then computes the
-        value apart and copies it."""
-        order, inputs, key = linearize([node])
-        if not order or is_input(node) or node.op in ("expand", "reshape", "permute", "slice"):
+        value apart and copies it.
+
+        As lazy results do (``_run_recorded``), a write built at the line of an earlier one
+        is checked against that one's recorded walk, and the safety found for its plan and
+        aliased inputs is kept: a loop of writes (an EMA over a model's weights) plans and
+        checks once per line and shape."""
+        if is_input(node) or node.op in ("expand", "reshape", "permute", "slice"):
             return False
+        mode = are_deterministic_algorithms_enabled()
+        site = ("into", node.op, node.site, node.shape, node.dtype, mode)
+        plan = inputs = None
+        walks = self._walks.get(site, ())
+        for walk in walks:
+            inputs = walk.match([node])
+            if inputs is not None:
+                plan = walk.plan
+                self.plan_hits += 1
+                break
+        if plan is None:
+            plan, inputs = self._plan_and_record(site, walks, [node])
         address = array.data.ptr
-        aliased = [index for index, child in enumerate(inputs) if _address_of(child) == address]
-        if not reads_elementwise(order, [inputs[index] for index in aliased], node.shape):
-            return False
-        plan = self.plan_for([node], inputs, key)
-        out_slot = plan.output_slots[0]
-        if not writable(plan, out_slot, aliased):
-            return False
-        self.run_into(plan, _arrays_of(inputs), {out_slot: array})
-        return True
+        aliased = tuple(i for i, child in enumerate(inputs) if _address_of(child) == address)
+        known = self._into.get((id(plan), aliased))
+        if known is not None and known[0] is plan:
+            safe = known[1]
+        else:
+            order = linearize([node])[0]  # once per plan and aliasing: then kept
+            out_slot = plan.output_slots[0]
+            safe = reads_elementwise(order, [inputs[i] for i in aliased], node.shape) and (
+                writable(plan, out_slot, aliased)
+            )
+            with self._lock:
+                if len(self._into) >= PLAN_CACHE_SIZE:
+                    self._into.pop(next(iter(self._into)))
+                self._into[(id(plan), aliased)] = (plan, safe)
+        if safe:
+            self.run_into(plan, _arrays_of(inputs), {plan.output_slots[0]: array})
+        return safe
 
     def run_into(self, plan: Plan, input_arrays: list, targets: dict) -> list:
         """``run``, with the output slots in ``targets`` (slot -> array) written into the
