@@ -69,7 +69,7 @@ def nn(name, *arguments, **keywords) -> Function:
     return Function(name, arguments, keywords, namespace="F")
 
 
-def cases(op, call, *inputs, dtypes=("float64",), **fields) -> list[Case]:
+def cases(op, call, *inputs, dtypes=BOTH, **fields) -> list[Case]:
     """One case per dtype of the same call and inputs."""
     return [Case(op, call, tuple(inputs), dtype=dtype, **fields) for dtype in dtypes]
 
@@ -304,6 +304,10 @@ def reduction_cases() -> list[Case]:
         *cases("prod", fn("prod"), TIES[:2], variant="zeros-all"),
         *cases("amax", fn("amax", dim=1), TIES, variant="ties"),
         *cases("argmax", fn("argmax", dim=0, keepdim=True), TIES, variant="keepdim", grad=False),
+        *cases("argmax", fn("argmax", dim=0), np.array(2.0), variant="0d", grad=False),
+        *cases("any", fn("any", dim=-1), np.array(True), variant="0d", grad=False),
+        *cases("softmax", nn("softmax", dim=1), np.zeros((2, 0)), variant="empty-axis"),
+        *cases("log_softmax", nn("log_softmax", dim=1), np.zeros((2, 0)), variant="empty-axis"),
         *cases("norm", fn("norm"), normal(3, 4), variant="fro"),
         *cases("norm", fn("norm", p=1, dim=1), normal(3, 4), variant="p1"),
         *cases("norm", fn("norm", dim=0, keepdim=True), normal(3, 4), variant="dim0"),
@@ -666,6 +670,34 @@ def loss_cases() -> list[Case]:
             log_probabilities,
             log_probabilities[::-1].copy(),
             variant="log-target",
+        ),
+        *cases(
+            "cross_entropy",
+            nn("cross_entropy"),
+            normal(2, 5, 3),
+            np.array([[0, 4, 2], [1, 1, 3]]),
+            variant="spatial",
+        ),
+        *cases(
+            "binary_cross_entropy",
+            nn("binary_cross_entropy", reduction="none"),
+            uniform(0.05, 0.95, 6),
+            uniform(0, 1, 6),
+            variant="none",
+        ),
+        *cases(
+            "kl_div",
+            nn("kl_div", reduction="none"),
+            log_probabilities,
+            RNG.dirichlet(np.ones(5), 4),
+            variant="none",
+        ),
+        *cases(
+            "smooth_l1_loss",
+            nn("smooth_l1_loss", reduction="none"),
+            normal(3, 4),
+            normal(3, 4),
+            variant="none",
         ),
     ]
 
