@@ -124,6 +124,7 @@ CLAMP_X = np.array([1.0, 0.0, 3.0, NAN, -1.0, 4.0, 2.0])
 EMPTY = np.zeros((3, 0))
 TIES = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, -1.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
 WITH_NAN = np.array([[1.0, NAN, 3.0], [2.0, 0.0, -1.0], [-INF, -INF, -INF]])
+KINKS = np.array([-6.0, -3.0, -1.0, 0.0, 1.0, 3.0, 6.0])  # where activations change rule
 ACTIVATION_INPUT = np.array([-4.0, -3.0, -1.5, -0.3, 0.4, 1.0, 2.2, 3.0, 6.5, 8.0])
 
 UNARY = {  # name: the inputs of its gradient case (its edge case takes EDGES, forward only)
@@ -524,8 +525,25 @@ def functional_cases() -> list[Case]:
     for name in ACTIVATIONS:
         # PyTorch's own float64 hardsigmoid backward uses 1/6 rounded to float32
         loosened = 1e-7 if name == "hardsigmoid" else None
-        found += cases(name, nn(name), ACTIVATION_INPUT, dtypes=BOTH, tolerance=loosened)
+        found += cases(name, nn(name), ACTIVATION_INPUT, tolerance=loosened)
+        # the gradient at the kinks, where PyTorch picks a side
+        found += cases(name, nn(name), KINKS, variant="kinks", tolerance=loosened)
     return found + [
+        *cases("leaky_relu", nn("leaky_relu", 0.2), KINKS, variant="kinks"),
+        *cases("abs", fn("abs"), KINKS, variant="kinks"),
+        *cases("sqrt", fn("sqrt"), np.array([0.0, 1.0, 4.0]), variant="at-zero"),
+        *cases("maximum", fn("maximum"), KINKS, KINKS, variant="ties"),
+        *cases("minimum", fn("minimum"), KINKS, -KINKS, variant="kinks"),
+        *cases("norm", fn("norm"), np.zeros(3), variant="at-zero"),
+        *cases("norm", fn("norm", dim=1), np.array([[0.0, 0.0], [3.0, 4.0]]), variant="row-zero"),
+        *cases("atan2", fn("atan2"), np.array([0.0, 1.0]), np.array([0.0, 0.0]), variant="origin"),
+        *cases(
+            "logaddexp",
+            fn("logaddexp"),
+            np.array([-INF, 0.0]),
+            np.array([-INF, 0.0]),
+            variant="ties-inf",
+        ),
         *cases("leaky_relu", nn("leaky_relu", 0.2), ACTIVATION_INPUT, dtypes=BOTH),
         *cases("gelu", nn("gelu", approximate="tanh"), ACTIVATION_INPUT, variant="tanh"),
         *cases("elu", nn("elu", alpha=0.5), ACTIVATION_INPUT, variant="alpha"),
