@@ -190,6 +190,10 @@ def elementwise_cases() -> list[Case]:
         *cases("addcdiv", fn("addcdiv", value=2.0), normal(4), normal(4), positive(4)),
         *cases("where", fn("where"), mask(3, 4), normal(3, 4), normal(4)),
         *cases("where", fn("where", 0.0), mask(5), normal(5), variant="scalar"),
+        # the unselected branch's NaN gradient (0 * inf) reaches the input, as in PyTorch
+        *cases(
+            "where", lambda lib, x: lib.fl.where(x > 0, x.sqrt(), 0.0), SMOOTH, variant="nan-branch"
+        ),
         *cases("clamp", fn("clamp", 0.0, 3.0), CLAMP_X, variant="bounds"),
         *cases("clamp", fn("clamp", min=0.0), CLAMP_X, variant="min"),
         *cases("clamp", lambda lib, x: x.clamp(max=3.0), CLAMP_X, variant="max"),
@@ -331,6 +335,8 @@ def scan_sort_cases() -> list[Case]:
         ),
         *cases("cumprod", fn("cumprod", dim=1), TIES, variant="zeros"),
         *cases("cumsum", lambda lib, x: x.cumsum(dim=-1), np.zeros((2, 0)), variant="empty"),
+        *cases("cumsum", fn("cumsum", 0), np.array(1.5), variant="0d"),
+        *cases("cumprod", fn("cumprod", -1), normal(2, 3), variant="negative-dim"),
         *cases("sort", fn("sort", dim=1), normal(3, 5), variant="dim1"),
         *cases("sort", fn("sort", dim=0, descending=True), normal(3, 5), variant="descending"),
         *cases("sort", fn("sort", dim=1, stable=True), TIES, variant="ties-stable"),
@@ -385,6 +391,9 @@ def shape_cases() -> list[Case]:
         *cases("roll", fn("roll", (1, -1), (0, 1)), x, variant="dims"),
         *cases("roll", fn("roll", 5), x, variant="flat"),
         *cases("flip", fn("flip", (0, 2)), x),
+        *cases("flip", fn("flip", (-1,)), x, variant="negative-dim"),
+        *cases("permute", fn("permute", (-1, 0, 1)), x, variant="negative-dims"),
+        *cases("transpose", lambda lib, x: x.transpose(-1, -2), x, variant="negative-dims"),
         *cases("repeat", lambda lib, x: x.repeat(2, 1, 2), x),
         *cases("repeat_interleave", fn("repeat_interleave", 2, dim=1), x),
         *cases("repeat_interleave", fn("repeat_interleave", 3), normal(2, 2), variant="flat"),
@@ -826,10 +835,29 @@ def cast_cases() -> list[Case]:
     ]
 
 
+DIFFERENTIABLE_INPLACE = {  # written into a non-leaf, so autograd follows the write
+    "add_": lambda lib, x, y: (x * 1.0).add_(y, alpha=2.0),
+    "mul_": lambda lib, x, y: (x * 1.0).mul_(y),
+    "lerp_": lambda lib, x, y: (x * 1.0).lerp_(y, 0.25),
+    "addcmul_": lambda lib, x, y: (x * 1.0).addcmul_(y, y, value=0.5),
+    "masked_fill_": lambda lib, x, y: (x * 1.0).masked_fill_(y > 0, 0.0),
+    "clamp_": lambda lib, x, y: (x * 1.0).clamp_(-0.5, 0.5),
+    "setitem-slice": lambda lib, x, y: setitem(x * 1.0, (slice(None), 0), y[:, 1]),
+    "setitem-int": lambda lib, x, y: setitem(x * 1.0, 1, 5.0),
+    "setitem-mask": lambda lib, x, y: setitem(x * 1.0, y > 0, 2.0),
+}
+
+
 def inplace_cases() -> list[Case]:
-    """In-place updates, compared on the values they leave (not differentiated)."""
+    """In-place updates: on a clone, compared on the values they leave; on a non-leaf, also on
+    the gradients that flow through the write."""
     x, y = normal(3, 4), normal(3, 4)
-    return [Case(name, call, (x, y), dtype="float32", grad=False) for name, call in INPLACE.items()]
+    found = [
+        Case(name, call, (x, y), dtype="float32", grad=False) for name, call in INPLACE.items()
+    ]
+    for name, call in DIFFERENTIABLE_INPLACE.items():
+        found += cases(name, call, x, y, variant="grad")
+    return found
 
 
 CASES: list[Case] = [
