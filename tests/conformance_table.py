@@ -22,6 +22,7 @@ import numpy as np
 NAN, INF = float("nan"), float("inf")
 RNG = np.random.default_rng(18)  # drawn in import order: the same samples on every worker
 BOTH = ("float64", "float32")
+HALF = ("float16",)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,34 @@ INTEGER_OPS = {
     "right_shift": lambda lib, x, y: x >> y.abs(),
     "maximum": fn("maximum"),
 }
+
+
+def half_cases() -> list[Case]:
+    """float16, where FLAME and PyTorch may round differently by an ulp or two."""
+    found = []
+    for name, smooth in UNARY.items():
+        found += cases(name, fn(name), smooth, dtypes=HALF, variant="smooth")
+    for name in BINARY:
+        found += cases(name, fn(name), normal(3, 4), normal(4), dtypes=HALF)
+    for name in ("sum", "mean", "amax", "logsumexp", "var"):
+        found += cases(name, fn(name, dim=1), normal(3, 4), dtypes=HALF, variant="dim1")
+    return found + [
+        *cases("softmax", nn("softmax", dim=1), normal(4, 5), dtypes=HALF),
+        *cases("log_softmax", nn("log_softmax", dim=1), normal(4, 5), dtypes=HALF),
+        *cases("layer_norm", nn("layer_norm", (5,)), normal(4, 5), dtypes=HALF),
+        *cases("matmul", fn("matmul"), normal(3, 4), normal(4, 2), dtypes=HALF),
+        *cases(
+            "cross_entropy", nn("cross_entropy"), normal(4, 5), np.array([1, 0, 4, 2]), dtypes=HALF
+        ),
+        *cases("cumsum", fn("cumsum", 1), normal(3, 4), dtypes=HALF),
+        *cases(
+            "to",
+            lambda lib, x: x.to(lib.fl.float16),
+            np.array([1e5, -7e4, 1e-8, NAN]),
+            variant="overflow",
+            grad=False,
+        ),
+    ]
 
 
 def integer_cases() -> list[Case]:
@@ -816,6 +845,7 @@ INPLACE = {
 }
 
 
+NARROW_INTS = np.array([-300, -129, -1, 0, 127, 128, 255, 256, 40000], np.int64)
 CASTS = {  # target dtype: the inputs cast to it
     "int32": EDGES[:7], "int64": LEFT, "bool": EDGES, "float32": INT_LEFT, "float64": mask(4),
 }  # fmt: skip
@@ -827,11 +857,15 @@ def cast_cases() -> list[Case]:
     for target, values in CASTS.items():
         call = lambda lib, x, t=target: x.to(getattr(lib.fl, t))  # noqa: E731
         found += cases("to", call, values, dtypes=(target,), cast=False, grad=False)
+    for target in ("int8", "uint8", "int16"):  # integer narrowing wraps around, as in C
+        call = lambda lib, x, t=target: x.to(getattr(lib.fl, t))  # noqa: E731
+        found += cases("to", call, NARROW_INTS, dtypes=(target,), cast=False, grad=False)
     return found + [
         *cases("to", lambda lib, x: x.to(lib.fl.float32), normal(4), variant="f64-to-f32"),
         *cases("type_as", lambda lib, x, y: x.type_as(y), INT_LEFT, normal(8), grad=False),
         *cases("double", lambda lib, x: x.double(), normal(3), dtypes=("float32",)),
         *cases("long", lambda lib, x: x.long(), LEFT, grad=False),
+        *cases("type", lambda lib, x: x.type(lib.fl.int32), LEFT, grad=False),
     ]
 
 
@@ -862,6 +896,7 @@ def inplace_cases() -> list[Case]:
 
 CASES: list[Case] = [
     *elementwise_cases(),
+    *half_cases(),
     *integer_cases(),
     *reduction_cases(),
     *scan_sort_cases(),

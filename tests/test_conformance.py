@@ -24,13 +24,17 @@ torch = pytest.importorskip("torch", reason="PyTorch is the oracle of the confor
 
 FLAME = SimpleNamespace(name="flame", fl=fl, F=flame_functional)
 TORCH = SimpleNamespace(name="torch", fl=torch, F=torch.nn.functional)
-TOLERANCES = {"float64": 1e-9, "float32": 2e-5}  # relative and absolute, per input dtype
+TOLERANCES = {
+    "float64": 1e-9,
+    "float32": 2e-5,
+    "float16": 1e-2,
+}  # relative and absolute, per input dtype
 MINIMUM_CASES = 500
 pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")
 
 # FLAME bugs and gaps against PyTorch, found by this table: case id -> what differs.
-# A key "<id>" marks the forward and backward tests, "<id>/grad" the backward test only; "*" in
-# place of the dtype marks the case at every dtype.
+# A key "<id>" marks the forward and backward tests, "<id>/forward" and "<id>/grad" one of them;
+# "*" in place of the dtype marks the case at every dtype.
 UNBIASED = (
     "fl.var/fl.std refuse PyTorch's unbiased= keyword "
     "(TypeError: var()/std() got an unexpected keyword argument 'unbiased')"
@@ -108,6 +112,10 @@ XFAILS: dict[str, str] = {
     "log_softmax-*-empty-axis": EMPTY_SOFTMAX.format("log_softmax"),
     "setitem-slice-*-grad/grad": SETITEM_DROPS_GRAPH,
     "setitem-int-*-grad/grad": SETITEM_DROPS_GRAPH,
+    "cross_entropy-float16/forward": (
+        "F.cross_entropy of float16 logits returns a float32 loss; PyTorch returns float16 "
+        "(the gradient to the logits is float16 in both)"
+    ),
     "leaky_relu-float64/grad": LEAKY_RELU_SLOPE,
     "leaky_relu-float64-kinks/grad": LEAKY_RELU_SLOPE,
 }
@@ -205,7 +213,7 @@ def known_bug(case: Case, suffix: str = "") -> str | None:
 
 
 def with_xfail(case: Case):
-    reason = known_bug(case)
+    reason = known_bug(case, "/forward") or known_bug(case)
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
     return pytest.param(case, id=case.id, marks=marks)
 
@@ -270,5 +278,7 @@ def test_table_does_not_shrink():
     assert sum(case.grad for case in CASES) >= MINIMUM_CASES // 2
     known = {case.id for case in CASES} | {wildcard_id(case) for case in CASES}
     known |= {f"refusal/{name}" for name in ERRORS}
-    stale = [key for key in XFAILS if key.removesuffix("/grad") not in known]
+    stale = [
+        key for key in XFAILS if key.removesuffix("/grad").removesuffix("/forward") not in known
+    ]
     assert not stale, f"xfails of cases no longer in the table: {stale}"
