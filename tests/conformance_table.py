@@ -5,11 +5,12 @@ empty axes, ties).
 A case's call is written once against a library namespace ``lib`` (``lib.fl`` is ``flame`` or
 ``torch``, ``lib.F`` their ``nn.functional``), so the same call runs in both. ``fn("cumsum",
 dim=1)`` is ``lib.fl.cumsum(x, dim=1)``, ``nn("softmax", dim=1)`` is ``lib.F.softmax(x, dim=1)``;
-a lambda covers the rest. Float inputs are cast to the case's dtype, integer and bool inputs
-(indices, masks) keep theirs, and ``cast=False`` keeps every input's own dtype (the promotion
-cases). ``grad`` says whether the float inputs are differentiated. ``ERRORS`` holds calls that
-PyTorch refuses: FLAME must refuse them too, with the same builtin error class. Plain data: this
-module imports neither FLAME nor PyTorch.
+a lambda covers the rest. ``cases`` makes one case per dtype, float64 and float32 unless told
+otherwise (float16 in ``half_cases``). Float inputs are cast to the case's dtype, integer and
+bool inputs (indices, masks) keep theirs, and ``cast=False`` keeps every input's own dtype (the
+promotion cases). ``grad`` says whether the float inputs are differentiated. ``ERRORS`` holds
+calls that PyTorch refuses: FLAME must refuse them too, with the same builtin error class. Plain
+data: this module imports neither FLAME nor PyTorch.
 """
 
 from __future__ import annotations
