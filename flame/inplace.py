@@ -89,8 +89,7 @@ def _check(target: Tensor, value: Tensor, op: str) -> Tensor:
             _refuse_leaf(op)
         if value.backend != target.backend:
             raise ValueError(
-                f"{op}: the value is on the {value.backend} backend, the tensor on "
-                f"{target.backend}"
+                f"{op}: the value is on the {value.backend} backend, the tensor on {target.backend}"
             )
         return value
     site = user_site()
@@ -148,6 +147,16 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
         return _write_traced(trace, target, value, op)
     old = target.node
     found = _memory_for_writing(old)
+    if found is None and old.op in _VIEW_OPS:
+        # a view of a lazy value (y = x.clone(); y[0].mul_(10)): the value gets its memory
+        # (the node its tensor holds), so the write reaches it through the view
+        base = old
+        while base.op in _VIEW_OPS and _storage_of(base) is None:
+            base = base.inputs[0]
+        from flame.backend import realize_nodes
+
+        realize_nodes(target.backend, [base])
+        found = _memory_for_writing(old)
     if found is None:  # a lazy value: the tensor now stands for the new value
         target.node = value.node
         return target

@@ -18,9 +18,10 @@ from flame.inplace import (
     write,
     write_memory,
 )
+from flame.ir import dtypes
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import ShapeError
-from flame.tensor import Tensor
+from flame.tensor import Tensor, grad_enabled
 
 # --- the ops -------------------------------------------------------------------------------------
 
@@ -212,17 +213,23 @@ def setitem(self: Tensor, index, value) -> None:
         fill = value if not isinstance(value, Tensor) else value.reshape(()).to(self.dtype)
         Tensor.copy_(self, where(mask.broadcast_to(self.shape), fill, self))
         return
-    if isinstance(index, (Tensor, list)) or hasattr(index, "__array_interface__"):
+    from flame.compile import current_trace
+
+    items = index if isinstance(index, tuple) else (index,)
+    advanced = [_is_array_index(item) for item in items]
+    if (
+        current_trace() is not None
+        or _needs_history(self, value)
+        or sum(advanced) > 1
+        or (any(advanced) and len(items) > 1)
+    ):
+        # the whole new value, one scatter: differentiable, and a write the trace can keep
+        Tensor.copy_(self, _assigned(self, index, value))
+        return
+    if any(advanced):
         _setitem_rows(self, index, value)
         return
     if memory_of(self.node) is None:
-        from flame.compile import current_trace
-
-        if current_trace() is not None:
-            raise InplaceError(
-                f"setitem: assigning into a value computed inside a function being compiled "
-                f"is not supported yet; build it with flame.where [at {format_site(user_site())}]"
-            )
         self.realize()  # it gets the memory PyTorch's tensor would have had
     view = getitem(self, index)
     found = _memory_for_writing(view.node)
@@ -249,6 +256,42 @@ def setitem(self: Tensor, index, value) -> None:
     node.grad_info = old.grad_info
     self.node = node
     _mark_overwritten(old, "setitem")
+
+
+def _is_array_index(item) -> bool:
+    return isinstance(item, (Tensor, list)) or hasattr(item, "__array_interface__")
+
+
+def _needs_history(self: Tensor, value) -> bool:
+    """Whether the assignment must stay in the autograd graph (PyTorch's setitem keeps it)."""
+    if not grad_enabled.get():
+        return False
+    from flame.autograd import _requires_grad
+
+    return _requires_grad(self) or (isinstance(value, Tensor) and _requires_grad(value))
+
+
+def _assigned(self: Tensor, index, value) -> Tensor:
+    """``self`` with ``value`` at ``self[index]``, as one scatter into the flattened tensor at
+    the positions ``index`` selects (an index-generated arange indexed alike: no copy, no
+    sync for basic indices). A repeated position takes the sum of its values (as
+    ``flame.scatter``)."""
+    from flame.backend import backend as use_backend
+    from flame.creation import arange, full
+    from flame.indexing import scatter
+    from flame.views import getitem
+
+    with use_backend(self.backend):
+        count = self.numel()
+        positions = getitem(arange(count, dtype=dtypes.int64).reshape(self.shape), index)
+        if not isinstance(value, Tensor):
+            value = full(positions.shape, value, dtype=self.dtype)
+        value = value.to(self.dtype)
+        if value.shape != positions.shape:
+            value = value.broadcast_to(positions.shape)
+        flat = positions.reshape(-1)
+        placed = scatter(self.reshape(count), 0, flat, value.reshape(flat.shape[0]))
+        return placed.reshape(self.shape)
 
 
 def _setitem_rows(self: Tensor, index, value) -> None:

@@ -107,18 +107,37 @@ def amin(x, dim=None, keepdim=False, *, axis=None):
 
 
 def max(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
-    """The maximum (NaN wins, as in PyTorch); with ``dim``, (values, indices)."""
+    """The maximum (NaN wins, as in PyTorch); with ``dim``, (values, indices), the values
+    read at the indices (so the gradient goes to that element, as PyTorch's, not split among
+    ties as ``amax``'s); ``max(x, other)`` is ``maximum``."""
+    if isinstance(dim, Tensor):
+        from flame.functional import maximum
+
+        return maximum(x, dim)
     dim = _dim(dim, axis, "max")
     if dim is None:
         return _reduce("reduce_max", x, None, False, "max")
-    return ValuesIndices(amax(x, dim, keepdim), argmax(x, dim, keepdim))
+    return _at_indices(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
 def min(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
+    if isinstance(dim, Tensor):
+        from flame.functional import minimum
+
+        return minimum(x, dim)
     dim = _dim(dim, axis, "min")
     if dim is None:
         return _reduce("reduce_min", x, None, False, "min")
-    return ValuesIndices(amin(x, dim, keepdim), argmin(x, dim, keepdim))
+    return _at_indices(x, argmin(x, dim, keepdim=True), dim, keepdim)
+
+
+def _at_indices(x: Tensor, indices: Tensor, dim: int, keepdim: bool) -> ValuesIndices:
+    from flame.indexing import take_along_dim
+
+    values = take_along_dim(x, indices, dim) if x.ndim else x
+    if not keepdim and x.ndim:
+        values, indices = values.squeeze(dim), indices.squeeze(dim)
+    return ValuesIndices(values, indices)
 
 
 def mean(x, dim=None, keepdim=False, dtype=None, *, axis=None):
@@ -138,15 +157,15 @@ def mean(x, dim=None, keepdim=False, dtype=None, *, axis=None):
     return result if keepdim else _drop(result, axes)
 
 
-def var(x, dim=None, correction=1, keepdim=False, *, axis=None):
+def var(x, dim=None, correction=1, keepdim=False, *, axis=None, unbiased=None):
     """Variance with Bessel's ``correction`` (1: unbiased), computed as the mean squared
     deviation from the mean (two passes over the data, one kernel). With ``correction >= n``
     the divisor is 0, as in PyTorch: inf, or NaN where every deviation is 0 (or n is 0)."""
     dim = _dim(dim, axis, "var")
+    if unbiased is not None:  # PyTorch's older keyword: unbiased=False is correction=0
+        correction = int(bool(unbiased))
     if not x.dtype.is_float:
-        raise _with_site(
-            TypeError(f"var: needs a float tensor, got {x.dtype.name}"), user_site()
-        )
+        raise _with_site(TypeError(f"var: needs a float tensor, got {x.dtype.name}"), user_site())
     axes = _axes(x, dim, "var")
     count = _count(x, axes)
     divisor = _max(count - correction, 0)
@@ -174,11 +193,11 @@ def _max(a, b):
     return a if a > b else b
 
 
-def std(x, dim=None, correction=1, keepdim=False, *, axis=None):
+def std(x, dim=None, correction=1, keepdim=False, *, axis=None, unbiased=None):
     """sqrt(var); where the variance is 0 the gradient is 0, as PyTorch's (sqrt's own
     derivative there, 1 / 0, would turn it into inf * 0 = NaN)."""
     dim = _dim(dim, axis, "std")
-    variance = var(x, dim, correction, keepdim=True)
+    variance = var(x, dim, correction, keepdim=True, unbiased=unbiased)
     zero = variance == 0.0
     result = where(zero, 0.0, where(zero, 1.0, variance).sqrt())
     return result if keepdim else _drop(result, _axes(x, dim, "std"))

@@ -48,35 +48,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:Use
 # FLAME bugs and gaps against PyTorch, found by this table: case id -> what differs.
 # A key "<id>" marks the forward and backward tests, "<id>/forward" and "<id>/grad" one of them;
 # "*" in place of the dtype marks the case at every dtype.
-UNBIASED = (
-    "fl.var/fl.std refuse PyTorch's unbiased= keyword "
-    "(TypeError: var()/std() got an unexpected keyword argument 'unbiased')"
-)
 SCATTER_REDUCE = (
     "fl.scatter_reduce supports only reduce='sum' and 'mean'; PyTorch's {} raises "
     "ValueError: scatter_reduce: reduce={!r} is not supported (sum, mean)"
-)
-RMS_NORM_EPS = (
-    "F.rms_norm's default eps is float32's machine epsilon (1.1920929e-07) for every dtype; "
-    "PyTorch uses torch.finfo(x.dtype).eps (2.2e-16 for float64), so float64 values and "
-    "gradients differ by ~1e-7 relative"
-)
-EMPTY_SOFTMAX = (
-    "F.{} over a zero-sized axis raises IndexError: amax: expected reduction dim 1 to have "
-    "non-zero size, got shape [2, 0] (its internal max); PyTorch returns the empty tensor"
 )
 LEAKY_RELU_SLOPE = (
     "F.leaky_relu's float64 gradient uses the negative slope rounded to float32 "
     "(0.2 -> 0.20000000298, 1.5e-8 relative error); the float64 forward is exact"
 )
-SETITEM_DROPS_GRAPH = (
-    "setitem with a basic index (int or slice) on a non-leaf that requires grad, "
-    "z = x * 1.0; z[:, 0] = v, leaves z.requires_grad False: z's autograd history is dropped "
-    "(backward: GradError: nothing in this graph requires grad); a bool-mask setitem keeps it"
-)
 XFAILS: dict[str, str] = {
-    "var-*-biased": UNBIASED,
-    "std-*-biased": UNBIASED,
     "pad-*-constant-value-negative": (
         "F.pad refuses negative padding (cropping), which PyTorch's constant mode accepts: "
         "ValueError: pad: negative padding [2, -1] is not supported"
@@ -86,28 +66,6 @@ XFAILS: dict[str, str] = {
     "scatter_reduce-*-amin": SCATTER_REDUCE.format("'amin'", "amin"),
     "scatter_reduce-*-amax-exclude-self": SCATTER_REDUCE.format(
         "'amax' with include_self=False", "amax"
-    ),
-    "rms_norm-float64": RMS_NORM_EPS,
-    "setitem-view-float32": (
-        "an in-place op on a view of a lazy (unrealized) tensor does not write into its base: "
-        "y = x.clone(); y[0].mul_(10.0) leaves y unchanged (it writes only when y is already "
-        "realized); PyTorch writes through the view"
-    ),
-    "max-*-binary": (
-        "fl.max(x, other) (PyTorch's binary form, = maximum) is refused: "
-        "TypeError: amax: dim must be an int, got Tensor"
-    ),
-    "max-*-dim-ties/grad": (
-        "fl.max(x, dim) splits the gradient evenly among tied maxima (as amax does); PyTorch "
-        "sends it all to the element at the returned index"
-    ),
-    "min-*-dim-ties/grad": (
-        "fl.min(x, dim) splits the gradient evenly among tied minima (as amin does); PyTorch "
-        "sends it all to the element at the returned index"
-    ),
-    "setitem-list-float32": (
-        "x[[0, 2], [1, 3]] = 7.0 (setitem with advanced list indices) raises InplaceError: "
-        "setitem: the index does not select a view of the tensor's memory"
     ),
     "refusal/gather-index-out-of-range": (
         "fl.gather with an out-of-range index raises IndexError; PyTorch raises RuntimeError "
@@ -120,14 +78,6 @@ XFAILS: dict[str, str] = {
     "refusal/cross_entropy-bad-target": (
         "F.cross_entropy with a target >= the number of classes returns a number instead of "
         "raising (PyTorch: IndexError: Target 7 is out of bounds)"
-    ),
-    "softmax-*-empty-axis": EMPTY_SOFTMAX.format("softmax"),
-    "log_softmax-*-empty-axis": EMPTY_SOFTMAX.format("log_softmax"),
-    "setitem-slice-*-grad/grad": SETITEM_DROPS_GRAPH,
-    "setitem-int-*-grad/grad": SETITEM_DROPS_GRAPH,
-    "cross_entropy-float16/forward": (
-        "F.cross_entropy of float16 logits returns a float32 loss; PyTorch returns float16 "
-        "(the gradient to the logits is float16 in both)"
     ),
     "leaky_relu-float64/grad": LEAKY_RELU_SLOPE,
     "leaky_relu-float64-kinks/grad": LEAKY_RELU_SLOPE,

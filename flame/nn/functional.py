@@ -27,6 +27,8 @@ __all__ = [
 def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     if dtype is not None:
         x = x.to(dtype)
+    if x.ndim and x.shape[dim] == 0:  # nothing to normalize: the empty tensor, as PyTorch
+        return x
     shifted = x - R.amax(x, dim, keepdim=True)
     exponent = shifted.exp()
     return exponent / R.sum(exponent, dim, keepdim=True)
@@ -35,6 +37,8 @@ def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
 def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     if dtype is not None:
         x = x.to(dtype)
+    if x.ndim and x.shape[dim] == 0:
+        return x
     shifted = x - R.amax(x, dim, keepdim=True)
     return shifted - R.sum(shifted.exp(), dim, keepdim=True).log()
 
@@ -63,10 +67,15 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     return result
 
 
+_EPSILON = {  # torch.finfo(dtype).eps
+    "float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52,
+}  # fmt: skip
+
+
 def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> Tensor:
     axes = _trailing_axes(x, normalized_shape, "rms_norm")
-    if eps is None:
-        eps = 1.1920928955078125e-07  # torch.finfo(float32).eps, PyTorch's default
+    if eps is None:  # PyTorch's default: the machine epsilon of the input's dtype
+        eps = _EPSILON.get(x.dtype.name, _EPSILON["float32"])
     result = x * (R.mean(x * x, axes, keepdim=True) + eps).rsqrt()
     return result * weight if weight is not None else result
 
@@ -119,7 +128,7 @@ def cross_entropy(
         loss = loss * (1.0 - label_smoothing) + smooth * label_smoothing
     valid = reshape(target, (-1, 1)) != ignore_index
     loss = reshape(where(valid, loss, 0.0), (-1,))
-    return _reduce_loss(loss, reduction, valid)
+    return _reduce_loss(loss, reduction, valid).to(logits.dtype)  # float16 in, float16 out
 
 
 def _no_legacy_arguments(op: str, size_average, reduce) -> None:
@@ -146,7 +155,11 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
 
 
 def dropout(
-    x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, seed=None,
+    x: Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+    seed=None,
     generator=None,
 ) -> Tensor:
     """Zero each element with probability ``p`` and scale the rest by 1/(1-p). The mask is
