@@ -340,3 +340,24 @@ def test_compiled_training_step_updates_weights_in_place_and_clears_grad(backend
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     np.testing.assert_allclose(w.numpy(), np.full(4, value, np.float32), rtol=1e-5)
     assert w.grad is None and step.cache_info().traces == 1
+
+
+def test_setitem_inside_compile(backend, rng):
+    table = _t(rng, 3, 4)
+    start = table.numpy().copy()
+
+    @fl.compile
+    def fill(v):
+        local = v * 2
+        local[:, 0] = 0.0  # a value of the trace
+        table[1] = v[0]  # memory the function closes over
+        return local
+
+    v = _t(rng, 3, 4)
+    out = fill(v).numpy()
+    expected = v.numpy() * 2
+    expected[:, 0] = 0.0
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    start[1] = v.numpy()[0]
+    np.testing.assert_allclose(table.numpy(), start, rtol=1e-6)
+    assert fill.cache_info().traces == 1
