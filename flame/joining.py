@@ -52,8 +52,14 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
     for pair in range(len(pad) // 2):
         widths[x.ndim - 1 - pair] = (int(pad[2 * pair]), int(pad[2 * pair + 1]))
     if any(low < 0 or high < 0 for low, high in widths):
-        raise _at_user_line(ValueError(f"pad: negative padding {list(pad)} is not supported"))
+        if mode != "constant":
+            raise _at_user_line(
+                ValueError(f"pad: negative padding {list(pad)} needs mode='constant', got {mode!r}")
+            )
+        x, widths = _crop(x, widths, pad)
     if mode == "constant":
+        if not any(widths_pair != (0, 0) for widths_pair in widths):
+            return x
         return apply_op("pad", x, widths=tuple(widths), value=value)
     padded_dims = len(pad) // 2
     if not 1 <= padded_dims <= 3 or x.ndim not in (padded_dims + 1, padded_dims + 2):
@@ -67,6 +73,24 @@ def pad(x: Tensor, pad, mode: str = "constant", value: float = 0.0) -> Tensor:
         if low or high:
             result = _pad_axis(result, axis, low, high, mode)
     return result
+
+
+def _crop(x: Tensor, widths: list, pad) -> tuple[Tensor, list]:
+    """Negative widths cut the tensor (PyTorch's constant pad crops with them): ``x`` cut
+    to size, and the widths left to pad (none negative)."""
+    from flame.views import narrow
+
+    for axis, (low, high) in enumerate(widths):
+        cut_low, cut_high = max(0, -low), max(0, -high)
+        if cut_low or cut_high:
+            kept = x.shape[axis] - cut_low - cut_high
+            if kept < 0:
+                raise _at_user_line(ShapeError(
+                    f"pad: padding {list(pad)} leaves dim {axis} of input "
+                    f"{x.dtype.name}{list(x.shape)} with a negative size {kept}"
+                ))  # fmt: skip
+            x = narrow(x, axis, cut_low, kept)
+    return x, [(max(0, low), max(0, high)) for low, high in widths]
 
 
 PAD_MODES = ("constant", "reflect", "replicate", "circular")

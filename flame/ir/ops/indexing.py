@@ -28,6 +28,11 @@ from flame.ir.shapes import ShapeError, broadcast_shapes
 INDEX_DTYPES = (dtypes.int32, dtypes.int64)
 
 
+class IndexOutOfBounds(IndexError, RuntimeError):
+    """An index tensor's value outside the indexed dim: an ``IndexError``, and the
+    ``RuntimeError`` PyTorch raises for gather, scatter and their kin."""
+
+
 def checked_index(op: str, index: np.ndarray, size: int, dim, wrap: bool = False) -> np.ndarray:
     """``index`` as non-negative positions; IndexError names the first out-of-range value."""
     index = np.asarray(index)
@@ -36,7 +41,9 @@ def checked_index(op: str, index: np.ndarray, size: int, dim, wrap: bool = False
     if bad.any():
         value = index[bad].flat[0]
         where = "the flattened input" if dim is None else f"dim {dim}"
-        raise IndexError(f"{op}: index {value} is out of bounds for {where} with size {size}")
+        raise IndexOutOfBounds(
+            f"{op}: index {value} is out of bounds for {where} with size {size}"
+        )
     if wrap:
         index = np.where(index < 0, index + size, index)
     return index.astype(np.intp)
