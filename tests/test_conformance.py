@@ -52,10 +52,6 @@ SCATTER_REDUCE = (
     "fl.scatter_reduce supports only reduce='sum' and 'mean'; PyTorch's {} raises "
     "ValueError: scatter_reduce: reduce={!r} is not supported (sum, mean)"
 )
-LEAKY_RELU_SLOPE = (
-    "F.leaky_relu's float64 gradient uses the negative slope rounded to float32 "
-    "(0.2 -> 0.20000000298, 1.5e-8 relative error); the float64 forward is exact"
-)
 XFAILS: dict[str, str] = {
     "scatter_reduce-*-prod": SCATTER_REDUCE.format("'prod'", "prod"),
     "scatter_reduce-*-amax": SCATTER_REDUCE.format("'amax'", "amax"),
@@ -71,8 +67,6 @@ XFAILS: dict[str, str] = {
         "F.cross_entropy with a target >= the number of classes returns a number instead of "
         "raising (PyTorch: IndexError: Target 7 is out of bounds)"
     ),
-    "leaky_relu-float64/grad": LEAKY_RELU_SLOPE,
-    "leaky_relu-float64-kinks/grad": LEAKY_RELU_SLOPE,
 }
 
 

@@ -384,7 +384,7 @@ for _name, _rule in {
         g * F.where(x * beta > threshold, 1.0, F.sigmoid(x * beta)),
     ),
     "leaky_relu": lambda F, g, out, x, negative_slope=0.01: (
-        g * F.where(x > 0, 1.0, negative_slope),
+        F.where(x > 0, g, g * negative_slope),  # the slope a weak scalar: g's precision
     ),
     "relu": lambda F, g, out, x: (F.where(x > 0, g, 0.0),),
     "floor": lambda F, g, out, x: (g * 0.0,),
