@@ -197,12 +197,20 @@ def scatter_reduce(
     *,
     include_self=True,  # noqa: A002
 ) -> Tensor:
-    """``torch.scatter_reduce`` for ``reduce='sum'`` and ``'mean'`` (``amax``, ``amin`` and
-    ``prod`` are not supported yet: an error names them)."""
+    """``torch.scatter_reduce`` for ``reduce='sum'``, ``'mean'``, ``'amax'`` and ``'amin'``
+    (``prod`` is not supported yet: an error names it)."""
     _check_tensors("scatter_reduce", input=input, index=index, src=src)
+    if reduce in ("amax", "amin"):
+        dim = _dim("scatter_reduce", dim, input.ndim)
+        return apply_op(
+            "scatter_extreme", input, index, src, dim=dim, largest=reduce == "amax",
+            include_self=bool(include_self),
+        )  # fmt: skip
     if reduce not in ("sum", "mean"):
         raise at_user_line(
-            ValueError(f"scatter_reduce: reduce={reduce!r} is not supported (sum, mean)")
+            ValueError(
+                f"scatter_reduce: reduce={reduce!r} is not supported (sum, mean, amax, amin)"
+            )
         )
     summed = scatter_add(creation.zeros_like(input), dim, index, src)
     counts = scatter_add(creation.zeros_like(input), dim, index, creation.ones_like(src))

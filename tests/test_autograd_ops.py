@@ -267,6 +267,9 @@ STRUCTURAL = [
     S("getitem_list", lambda x: x[[2, 0, 2]], lambda x: x[[2, 0, 2]], (normal(3, 4),)),
     S("scatter_add", lambda x, i, s: fl.scatter_add(x, 0, i, s),
       lambda x, i, s: x.scatter_add(0, i, s), (normal(3, 4), integers(3, 5, 4), normal(5, 4))),
+    S("scatter_amax", lambda x, i, s: fl.scatter_reduce(x, 0, i, s, "amax"),
+      lambda x, i, s: x.scatter_reduce(0, i, s, "amax"),
+      (normal(3, 4), integers(3, 5, 4), normal(5, 4)), numeric=False),
     # src larger than index: only its leading part is added (PyTorch's backward rejects this)
     S("scatter_add_large_src", lambda x, i, s: fl.scatter_add(x, 1, i, s), None,
       (normal(3, 4), integers(4, 2, 3), normal(3, 5))),

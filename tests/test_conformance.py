@@ -54,11 +54,6 @@ SCATTER_REDUCE = (
 )
 XFAILS: dict[str, str] = {
     "scatter_reduce-*-prod": SCATTER_REDUCE.format("'prod'", "prod"),
-    "scatter_reduce-*-amax": SCATTER_REDUCE.format("'amax'", "amax"),
-    "scatter_reduce-*-amin": SCATTER_REDUCE.format("'amin'", "amin"),
-    "scatter_reduce-*-amax-exclude-self": SCATTER_REDUCE.format(
-        "'amax' with include_self=False", "amax"
-    ),
     "refusal/nll_loss-bad-target": (
         "F.nll_loss with a target >= the number of classes returns a number instead of "
         "raising (PyTorch: IndexError: Target 7 is out of bounds)"

@@ -164,3 +164,29 @@ def _scatter(out, index, source, dim: int, dtype_name: str) -> None:
         arguments.append(kernels.scalar(offset, size))
         arguments += [kernels.scalar(offset, strides[axis]) for strides in stride_lists]
     kernels.launch(function, index.size, arguments)
+
+
+@implements("scatter_extreme")
+def scatter_extreme(node: Node, arrays):
+    """CuPy's ``scatter_max``/``scatter_min`` (atomic) on a float32/float64 copy of the
+    input; 16-bit floats go through float32 and are rounded once."""
+    import cupy
+    import cupyx
+
+    target, index, source = arrays
+    dim = node.attr("dim", 0)
+    largest, include_self = node.attr("largest", True), node.attr("include_self", True)
+    dtype = node.dtype
+    narrow = dtype in (dtypes.float16, dtypes.bfloat16)
+    out = _convert(target, dtype.name, "float32") if narrow else cupy.array(target, copy=True)
+    values = source[tuple(slice(0, size) for size in index.shape)]
+    if narrow:
+        values = _convert(cupy.ascontiguousarray(values), dtype.name, "float32")
+    if index.size:
+        coordinates = list(cupy.indices(index.shape, sparse=True))
+        coordinates[dim] = index.astype(cupy.int64)
+        coordinates = tuple(coordinates)
+        if not include_self:
+            out[coordinates] = -cupy.inf if largest else cupy.inf
+        (cupyx.scatter_max if largest else cupyx.scatter_min)(out, coordinates, values)
+    return _convert(out, "float32", dtype.name) if narrow else out

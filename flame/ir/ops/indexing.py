@@ -214,6 +214,38 @@ def_op(
 )  # fmt: skip
 
 
+def _scatter_extreme_rule(inputs, attrs):
+    target, index, source = inputs
+    _scatter_add_rule(inputs, attrs)  # the same checks (names aside)
+    if not target.dtype.is_float:
+        raise TypeError(f"scatter_reduce: amax/amin need a float input, got {_shown(target)}")
+    return target.dtype, target.shape
+
+
+def _scatter_extreme_ref(target, index, source, dim=0, largest=True, include_self=True):
+    """``torch.scatter_reduce(..., 'amax' | 'amin', include_self=)``: each position the
+    max (min) of the values scattered to it, and of its own value with ``include_self``
+    (NaN wins, as in PyTorch); positions nothing is scattered to keep their value."""
+    index = checked_index("scatter_reduce", index, target.shape[dim], dim)
+    coordinates = list(np.indices(index.shape, sparse=True))
+    coordinates[dim] = index
+    coordinates = tuple(coordinates)
+    values = source[tuple(slice(0, size) for size in index.shape)]
+    combine = np.maximum if largest else np.minimum
+    out = np.array(target, copy=True)
+    if not include_self:
+        out[coordinates] = -np.inf if largest else np.inf
+    combine.at(out, coordinates, values)
+    return out
+
+
+def_op(
+    "scatter_extreme", "library", 3, ref=_scatter_extreme_ref, shape_rule=_scatter_extreme_rule,
+    attrs={"dim": 0, "largest": True, "include_self": True}, categories="f",
+    doc="torch.scatter_reduce with reduce='amax' (largest) or 'amin'",
+)  # fmt: skip
+
+
 # --- embedding, x[idx] ----------------------------------------------------------------------
 
 
@@ -368,6 +400,30 @@ def _scatter_add_vjp(F, g, out, target, index, source, dim=0):
     return (g, None, picked)
 
 
+def _scatter_extreme_vjp(F, g, out, target, index, source, dim=0, largest=True,
+                         include_self=True):  # fmt: skip
+    """PyTorch's rule: the gradient of a position is shared evenly by every value equal to
+    its result (its own value where it took part, and each scattered value)."""
+    reached = source  # a src larger than index contributes only its index-shaped corner
+    for axis, size in enumerate(index.shape):
+        if reached.shape[axis] != size:
+            reached = F.narrow(reached, axis, 0, size)
+    ones = F.where(index == index, 1.0, 0.0).to(g.dtype)
+    source_hit = F.where(reached == F.gather(out, dim, index), 1.0, 0.0).to(g.dtype)
+    own = target == out
+    if not include_self:  # its own value takes part only where nothing was scattered
+        hits = F.scatter_add(F.zeros(target.shape, dtype=g.dtype), dim, index, ones)
+        own = own & (hits == 0.0)
+    self_hit = F.where(own, 1.0, 0.0).to(g.dtype)
+    count = F.scatter_add(self_hit, dim, index, source_hit)
+    share = g / F.where(count == 0.0, 1.0, count)
+    grad_source = F.gather(share, dim, index) * source_hit
+    for axis, size in enumerate(source.shape):
+        grad_source = F.unslice_axis(grad_source, axis, size, 0, 1)
+    return (share * self_hit, None, grad_source)
+
+
+def_vjp("scatter_extreme", _scatter_extreme_vjp)
 def_vjp("gather", _gather_vjp)
 def_vjp("index_select", _index_select_vjp)
 def_vjp("take_along_dim", _take_along_dim_vjp)
