@@ -316,27 +316,21 @@ def advanced_index(x: Tensor, items: tuple) -> Tensor:
 
 
 def _expand_ellipsis(x: Tensor, items: tuple) -> list:
-    if sum(item is Ellipsis for item in items) > 1:
-        raise at_user_line(IndexError("an index can only have a single ellipsis ('...')"))
+    """``views.expand_ellipsis``, a bool index counting the dims it covers."""
+    from flame.views import expand_ellipsis
+
     used = 0
     for item in items:
-        if item is None or item is Ellipsis or isinstance(item, slice):
-            used += 0 if item is None or item is Ellipsis else 1
-        elif _bool_index(item):
+        if item is None or item is Ellipsis:
+            continue
+        if not isinstance(item, slice) and _bool_index(item):
             used += np.ndim(item.numpy() if isinstance(item, Tensor) else item)
         else:
             used += 1
-    if used > x.ndim:
-        raise at_user_line(IndexError(f"too many indices for a {x.ndim}-d tensor: {used}"))
-    expanded = []
-    for item in items:
-        if item is Ellipsis:
-            expanded.extend([slice(None)] * (x.ndim - used))
-        else:
-            expanded.append(item)
-    if not any(item is Ellipsis for item in items):
-        expanded.extend([slice(None)] * (x.ndim - used))
-    return expanded
+    try:
+        return expand_ellipsis(items, x.ndim, used)
+    except IndexError as error:
+        raise at_user_line(error) from None
 
 
 def _bool_index(item) -> bool:

@@ -150,19 +150,26 @@ def getitem(x: Tensor, index) -> Tensor:
         from flame.indexing import advanced_index
 
         return advanced_index(x, items)
+    used = sum(1 for item in items if item is not None and item is not Ellipsis)
+    return _apply_index(x, expand_ellipsis(items, x.ndim, used))
+
+
+def expand_ellipsis(items, ndim: int, used: int) -> list:
+    """``items`` with ``...`` (at most one) standing for the dims no item indexes, and full
+    slices for the trailing dims; ``used``: how many dims the items index."""
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    used = sum(1 for item in items if item is not None and item is not Ellipsis)
-    if used > x.ndim:
-        raise IndexError(f"too many indices for a {x.ndim}-d tensor: {used}")
+    if used > ndim:
+        raise IndexError(f"too many indices for a {ndim}-d tensor: {used}")
     expanded = []
     for item in items:
         if item is Ellipsis:
-            expanded.extend([slice(None)] * (x.ndim - used))
+            expanded.extend([slice(None)] * (ndim - used))
         else:
             expanded.append(item)
-    expanded.extend([slice(None)] * (x.ndim - sum(1 for i in expanded if i is not None)))
-    return _apply_index(x, expanded)
+    if not any(item is Ellipsis for item in items):
+        expanded.extend([slice(None)] * (ndim - used))
+    return expanded
 
 
 def _apply_index(x: Tensor, items) -> Tensor:
