@@ -55,6 +55,7 @@ from flame.devices import device
 from flame.foreach import ForeachError, foreach
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
+from flame.functional import clamp
 from flame.indexing import (
     embedding,
     gather,

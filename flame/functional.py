@@ -121,9 +121,10 @@ def div(x, other, *, rounding_mode=None):
     if rounding_mode is None:
         return _true_divide(x, other)
     if rounding_mode == "trunc":
-        remainder = fmod(x, other)  # promotes, and refuses bools, as PyTorch's div does
+        # fmod promotes, and refuses bools, as PyTorch's div does
+        remainder = _FUNCTIONS["fmod"](x, other)
         if remainder.dtype.is_float:
-            return trunc(_true_divide(x, other))  # PyTorch's own formula
+            return _FUNCTIONS["trunc"](_true_divide(x, other))  # PyTorch's own formula
         return _FUNCTIONS["floordiv"](x - remainder, other)  # an exact multiple of other
     if rounding_mode == "floor":
         operands = [value.detach() if isinstance(value, Tensor) else value for value in (x, other)]
@@ -134,7 +135,7 @@ def div(x, other, *, rounding_mode=None):
         # tied back to them by sign(v) - sign(v), exactly 0 (sign(NaN) is 0), gradient 0
         for value in (x, other):
             if isinstance(value, Tensor) and value.dtype.is_float:
-                link = sign(value)
+                link = _FUNCTIONS["sign"](value)
                 quotient = quotient + (link - link)
         return quotient
     raise _refuse(

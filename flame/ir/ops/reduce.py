@@ -81,12 +81,14 @@ def_op(
           "identity": {"f": "1.0f", "i": "1LL", "i32": "1LL", "b": "1LL"}},
 )  # fmt: skip
 def_op(
-    "reduce_max", "reduce", 1, ref=_reference(np.max, False, _lowest), shape_rule=_reduce_rule(False),
+    "reduce_max", "reduce", 1, ref=_reference(np.max, False, _lowest),
+    shape_rule=_reduce_rule(False),
     attrs={"axes": ()}, helpers=("flame_minmax",),
     cuda={"combine": "flame_max({0}, {1})", "identity": _MAX_IDENTITY},
 )  # fmt: skip
 def_op(
-    "reduce_min", "reduce", 1, ref=_reference(np.min, False, _highest), shape_rule=_reduce_rule(False),
+    "reduce_min", "reduce", 1, ref=_reference(np.min, False, _highest),
+    shape_rule=_reduce_rule(False),
     attrs={"axes": ()}, helpers=("flame_minmax",),
     cuda={"combine": "flame_min({0}, {1})", "identity": _MIN_IDENTITY},
 )  # fmt: skip
