@@ -141,7 +141,7 @@ def arange(start, end=None, step=1, dtype=None) -> Tensor:
     return _generated("arange", (count,), target, user_site(), start=start, step=step)
 
 
-def _random(op, shape, seed, dtype, generator=None, requires_grad=False) -> Tensor:
+def _random(op, shape, seed, dtype, generator=None) -> Tensor:
     shape = normalize_shape(shape, op)
     target = dtypes.dtype(dtype if dtype is not None else dtypes.float32)
     if not target.is_float:
@@ -157,25 +157,25 @@ def _random(op, shape, seed, dtype, generator=None, requires_grad=False) -> Tens
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise TypeError(f"{op}: seed must be a non-negative int, got {seed!r}")
         result = _generated(op, shape, target, user_site(), seed=int(seed))
-    return result.requires_grad_() if requires_grad else result
+    return result
 
 
 @creation
-def rand(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
+def rand(*shape, seed=None, generator=None, dtype=None) -> Tensor:
     """Uniform [0, 1) numbers, generated in the consuming kernel (Philox): from
     ``generator`` (default: the default generator, ``fl.manual_seed``), or keyed by ``seed``."""
-    return _random("rand", shape, seed, dtype, generator, requires_grad)
+    return _random("rand", shape, seed, dtype, generator)
 
 
 @creation
-def randn(*shape, seed=None, generator=None, dtype=None, requires_grad=False) -> Tensor:
+def randn(*shape, seed=None, generator=None, dtype=None) -> Tensor:
     """Standard normal numbers, generated in the consuming kernel (Philox): from
     ``generator`` (default: the default generator), or keyed by ``seed``."""
-    return _random("randn", shape, seed, dtype, generator, requires_grad)
+    return _random("randn", shape, seed, dtype, generator)
 
 
 @creation
-def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_grad=False):
+def randint(low, high=None, size=None, *, generator=None, dtype=None):
     """Integers uniform in [low, high) (``randint(high, size)`` as PyTorch too)."""
     if size is None:
         if high is None or not isinstance(high, (tuple, list)):
@@ -190,8 +190,6 @@ def randint(low, high=None, size=None, *, generator=None, dtype=None, requires_g
         raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
     shape = normalize_shape((size,), "randint")
     target = dtypes.dtype(dtype if dtype is not None else dtypes.int64)
-    if requires_grad:
-        raise TypeError("randint: only float tensors can require gradients")
     from flame import random
 
     bits = random.random_bits(shape, generator, words=2)
@@ -212,15 +210,14 @@ def randint_like(other: Tensor, low=0, high=None, *, generator=None, dtype=None)
 
 
 @creation
-def randperm(n: int, *, generator=None, dtype=None, requires_grad=False) -> Tensor:
+def randperm(n: int, *, generator=None, dtype=None) -> Tensor:
     """A random permutation of 0..n-1, drawn on the host from the generator (as PyTorch
     does on the CPU); not inside ``flame.compile``."""
     from flame import random
 
     rng = random.host_rng(generator, int(n), "randperm")
     values = rng.permutation(int(n)).astype(np.int64)
-    result = tensor(values, dtype=dtype or dtypes.int64)
-    return result.requires_grad_() if requires_grad else result
+    return tensor(values, dtype=dtype or dtypes.int64)
 
 
 def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, generator=None):  # noqa: A002
@@ -295,18 +292,16 @@ def full_like(other: Tensor, fill_value, dtype=None) -> Tensor:
 
 
 @creation
-def rand_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
+def rand_like(other: Tensor, seed=None, dtype=None, *, generator=None):
     return rand(
-        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,
-        requires_grad=requires_grad,
+        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype
     )  # fmt: skip
 
 
 @creation
-def randn_like(other: Tensor, seed=None, dtype=None, *, generator=None, requires_grad=False):
+def randn_like(other: Tensor, seed=None, dtype=None, *, generator=None):
     return randn(
-        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype,
-        requires_grad=requires_grad,
+        other.shape, seed=seed, generator=generator, dtype=dtype or other.dtype
     )  # fmt: skip
 
 

@@ -59,7 +59,7 @@ def direct_writes(program, order, inputs, trace) -> tuple:
     """Per in-place write of a CUDA program, the output slot its plan writes straight into
     the tensor's memory, or None where the value must be computed apart and copied (the
     memory is read through a view or by a reduction, or a library call computes it)."""
-    from flame.runtime.executor import reads_elementwise, writable
+    from flame.runtime.writes import reads_elementwise, writable
 
     direct = []
     for (target, index), (storage, value, _) in zip(program.writes, trace.writes.values()):

@@ -116,16 +116,21 @@ def _scalar_as(value, dtype: dtypes.DType):
     return float(value)
 
 
+def _mask_shape(op: str, input: Tensor, mask: Tensor) -> tuple:  # noqa: A002
+    """The shape ``input`` and the bool ``mask`` broadcast to (errors at the user's line)."""
+    _check_tensors(op, input=input, mask=mask)
+    if not mask.dtype.is_bool:
+        raise at_user_line(TypeError(f"{op}: mask must be bool, got {mask.dtype.name}"))
+    try:
+        return broadcast_shapes(op, mask.shape, input.shape)
+    except ShapeError as error:
+        raise at_user_line(error) from None
+
+
 def masked_fill(input: Tensor, mask: Tensor, value) -> Tensor:  # noqa: A002
     """``input`` with ``value`` where the bool ``mask`` (broadcast to ``input``'s shape) is
     true. Elementwise: it fuses with the ops around it."""
-    _check_tensors("masked_fill", input=input, mask=mask)
-    if not mask.dtype.is_bool:
-        raise at_user_line(TypeError(f"masked_fill: mask must be bool, got {mask.dtype.name}"))
-    try:
-        shape = broadcast_shapes("masked_fill", mask.shape, input.shape)
-    except ShapeError as error:
-        raise at_user_line(error) from None
+    shape = _mask_shape("masked_fill", input, mask)
     if shape != input.shape:
         raise at_user_line(
             ShapeError(
@@ -241,13 +246,7 @@ def masked_select(input: Tensor, mask: Tensor) -> Tensor:  # noqa: A002
     """The entries of ``input`` where the bool ``mask`` is true, as a 1-d tensor (both
     broadcast). Its size depends on the mask: it realizes the mask (a sync, as PyTorch's);
     the gradient flows back to the selected entries."""
-    _check_tensors("masked_select", input=input, mask=mask)
-    if not mask.dtype.is_bool:
-        raise at_user_line(TypeError(f"masked_select: mask must be bool, got {mask.dtype.name}"))
-    try:
-        shape = broadcast_shapes("masked_select", input.shape, mask.shape)
-    except ShapeError as error:
-        raise at_user_line(error) from None
+    shape = _mask_shape("masked_select", input, mask)
     flat_mask = np.broadcast_to(np.asarray(mask.numpy()), shape).reshape(-1)
     with use_backend(input.backend):
         picks = creation.tensor(np.flatnonzero(flat_mask).astype(np.int64))

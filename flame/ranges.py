@@ -27,13 +27,9 @@ def _number(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def _requires_grad(result, requires_grad: bool):
-    return result.requires_grad_() if requires_grad else result
-
-
 @user_errors
 @creation
-def linspace(start, end, steps: int, *, dtype=None, requires_grad: bool = False):
+def linspace(start, end, steps: int, *, dtype=None):
     """``steps`` values from ``start`` to ``end`` inclusive, evenly spaced. As PyTorch, the
     first half counts up from ``start`` and the second half down from ``end``, so both
     ends are exact."""
@@ -49,29 +45,28 @@ def linspace(start, end, steps: int, *, dtype=None, requires_grad: bool = False)
         rising = position * step + float(start)
         falling = float(end) - (float(steps - 1) - position) * step
         values = where(position < steps // 2, rising, falling)
-    return _requires_grad(values.to(target), requires_grad)
+    return values.to(target)
 
 
 @user_errors
 @creation
-def logspace(start, end, steps: int, base: float = 10.0, *, dtype=None,
-             requires_grad: bool = False):  # fmt: skip
+def logspace(start, end, steps: int, base: float = 10.0, *, dtype=None):
     """``base ** linspace(start, end, steps)``."""
     target = dtypes.dtype(dtype) if dtype is not None else dtypes.DEFAULT_FLOAT
     compute = target if target.is_float else dtypes.float32
     exponents = linspace(start, end, steps, dtype=compute)
-    return _requires_grad((float(base) ** exponents).to(target), requires_grad)
+    return (float(base) ** exponents).to(target)
 
 
 @user_errors
 @creation
-def eye(n: int, m: int | None = None, *, dtype=None, requires_grad: bool = False):
+def eye(n: int, m: int | None = None, *, dtype=None):
     """The ``n`` x ``m`` identity matrix (``m = n`` when None)."""
     rows = _count("eye", n, "n")
     columns = rows if m is None else _count("eye", m, "m")
     target = dtypes.dtype(dtype) if dtype is not None else dtypes.DEFAULT_FLOAT
     same = reshape(arange(rows), (rows, 1)) == reshape(arange(columns), (1, columns))
-    return _requires_grad(same.to(target), requires_grad)
+    return same.to(target)
 
 
 def _triangle_indices(op: str, row, col, offset, dtype, upper: bool):
