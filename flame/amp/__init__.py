@@ -1,0 +1,1 @@
+"""Mixed precision: the autocast policy and ``GradScaler``."""
