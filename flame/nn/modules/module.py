@@ -1,0 +1,639 @@
+"""``nn.Module``: PyTorch's module machinery, so model files port by changing imports.
+
+Assigning a ``Parameter``, a ``Module`` or a registered buffer to an attribute registers it;
+``parameters()``, ``state_dict()``, ``train()``/``eval()``, hooks and ``repr`` behave as
+PyTorch's. A module is plain Python around FLAME tensors: calling it builds IR like any other
+code, and under ``flame.compile`` all of this runs once, at trace time (parameters are read
+through their memory at every call, so ``load_state_dict`` and optimizer steps need no
+retrace).
+
+Where FLAME differs: ``to(dtype)`` (and ``half()``, ``bfloat16()``, ...) give parameters new
+memory, as PyTorch does, so a compiled function that closed over the old parameters must be
+traced again (pass the module to a new ``flame.compile``); ``load_state_dict`` writes into
+the existing memory and needs nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, namedtuple
+
+from flame.ir import dtypes
+from flame.nn.parameter import Buffer, Parameter, _own_node
+from flame.tensor import Tensor
+
+_IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class RemovableHandle:
+    """What ``register_*_hook`` returns: ``handle.remove()`` takes the hook out."""
+
+    _ids = itertools.count()
+
+    def __init__(self, hooks: dict, *extra: dict):
+        self.hooks = hooks
+        self.extra = extra
+        self.id = next(RemovableHandle._ids)
+
+    def remove(self) -> None:
+        for table in (self.hooks, *self.extra):
+            table.pop(self.id, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+class Module:
+    """Base class of every layer and model (``torch.nn.Module``)."""
+
+    dump_patches = False
+    _version = 1
+    training: bool
+    call_super_init = False
+
+    def __init__(self, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError(
+                f"{type(self).__name__}.__init__() got unexpected arguments (Module.__init__ "
+                "takes none)"
+            )
+        setter = object.__setattr__
+        setter(self, "training", True)
+        setter(self, "_parameters", {})
+        setter(self, "_buffers", {})
+        setter(self, "_non_persistent_buffers_set", set())
+        setter(self, "_modules", {})
+        setter(self, "_forward_pre_hooks", OrderedDict())
+        setter(self, "_forward_pre_hooks_with_kwargs", {})
+        setter(self, "_forward_hooks", OrderedDict())
+        setter(self, "_forward_hooks_with_kwargs", {})
+        setter(self, "_backward_hooks", OrderedDict())
+
+    forward = None  # subclasses define it
+
+    # --- registration ---------------------------------------------------------------------
+    def _check_ready(self, what: str) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(
+                f"cannot assign {what} before Module.__init__() call (call super().__init__() "
+                f"first in {type(self).__name__}.__init__)"
+            )
+
+    @staticmethod
+    def _check_name(kind: str, name) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"{kind} name should be a string, got {type(name).__name__}")
+        if "." in name:
+            raise KeyError(f'{kind} name can\'t contain ".", got {name!r}')
+        if name == "":
+            raise KeyError(f'{kind} name can\'t be empty string ""')
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        self._check_ready("parameters")
+        self._check_name("parameter", name)
+        if hasattr(self, name) and name not in self._parameters:
+            raise KeyError(f"attribute '{name}' already exists")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(
+                f"cannot assign '{type(param).__name__}' object to parameter '{name}' "
+                "(flame.nn.Parameter or None required)"
+            )
+        self._parameters[name] = param
+
+    def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
+        self._check_ready("buffers")
+        self._check_name("buffer", name)
+        if hasattr(self, name) and name not in self._buffers:
+            raise KeyError(f"attribute '{name}' already exists")
+        if tensor is not None and not isinstance(tensor, Tensor):
+            raise TypeError(
+                f"cannot assign '{type(tensor).__name__}' object to buffer '{name}' "
+                "(flame tensor or None required)"
+            )
+        if isinstance(tensor, Buffer):
+            persistent = tensor.persistent
+        if tensor is not None:  # a buffer has memory of its own, as a parameter does
+            tensor = Tensor(_own_node(tensor), tensor.backend)
+        self._buffers[name] = tensor
+        if persistent:
+            self._non_persistent_buffers_set.discard(name)
+        else:
+            self._non_persistent_buffers_set.add(name)
+
+    def add_module(self, name: str, module: Module | None) -> None:
+        if not isinstance(module, Module) and module is not None:
+            raise TypeError(f"{type(module).__name__} is not a Module subclass")
+        self._check_name("module", name)
+        if hasattr(self, name) and name not in self._modules:
+            raise KeyError(f"attribute '{name}' already exists")
+        self._modules[name] = module
+
+    register_module = add_module
+
+    def __setattr__(self, name: str, value) -> None:
+        params = self.__dict__.get("_parameters")
+        if isinstance(value, Parameter):
+            self._check_ready("parameters")
+            _remove_from(self, name, "_buffers", "_modules")
+            self._non_persistent_buffers_set.discard(name)
+            self.__dict__.pop(name, None)
+            self.register_parameter(name, value)
+            return
+        if params is not None and name in params:
+            if value is not None:
+                raise TypeError(
+                    f"cannot assign '{type(value).__name__}' as parameter '{name}' of "
+                    f"{type(self).__name__} (flame.nn.Parameter or None expected)"
+                )
+            params[name] = None
+            return
+        modules = self.__dict__.get("_modules")
+        if isinstance(value, Module):
+            if modules is None:
+                raise AttributeError("cannot assign module before Module.__init__() call")
+            _remove_from(self, name, "_parameters", "_buffers")
+            self._non_persistent_buffers_set.discard(name)
+            self.__dict__.pop(name, None)
+            modules[name] = value
+            return
+        if modules is not None and name in modules:
+            if value is not None:
+                raise TypeError(
+                    f"cannot assign '{type(value).__name__}' as child module '{name}' of "
+                    f"{type(self).__name__} (flame.nn.Module or None expected)"
+                )
+            modules[name] = None
+            return
+        buffers = self.__dict__.get("_buffers")
+        if isinstance(value, Buffer):
+            self._check_ready("buffers")
+            _remove_from(self, name, "_parameters", "_modules")
+            self.__dict__.pop(name, None)
+            self.register_buffer(name, value)
+            return
+        if buffers is not None and name in buffers:
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(
+                    f"cannot assign '{type(value).__name__}' as buffer '{name}' of "
+                    f"{type(self).__name__} (flame tensor or None expected)"
+                )
+            buffers[name] = value
+            return
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        # only called when normal lookup fails
+        d = self.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            entries = d.get(table)
+            if entries is not None and name in entries:
+                return entries[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __delattr__(self, name: str) -> None:
+        for table in ("_parameters", "_buffers", "_modules"):
+            entries = self.__dict__.get(table)
+            if entries is not None and name in entries:
+                del entries[name]
+                self._non_persistent_buffers_set.discard(name)
+                return
+        object.__delattr__(self, name)
+
+    def __dir__(self):
+        names = list(super().__dir__())
+        names += list(self._parameters) + list(self._buffers) + list(self._modules)
+        return sorted(set(n for n in names if not n[0].isdigit()))
+
+    # --- walking --------------------------------------------------------------------------
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate=True):
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, module in self._modules.items():
+            if module is None:
+                continue
+            sub = prefix + ("." if prefix else "") + name
+            yield from module.named_modules(memo, sub, remove_duplicate)
+
+    def modules(self):
+        for _, module in self.named_modules():
+            yield module
+
+    def named_children(self):
+        seen = set()
+        for name, module in self._modules.items():
+            if module is not None and id(module) not in seen:
+                seen.add(id(module))
+                yield name, module
+
+    def children(self):
+        for _, module in self.named_children():
+            yield module
+
+    def _named_members(self, table: str, prefix: str, recurse: bool, remove_duplicate: bool):
+        seen = set()
+        modules = (
+            self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
+            if recurse
+            else [(prefix, self)]
+        )
+        for module_prefix, module in modules:
+            for name, value in getattr(module, table).items():
+                if value is None:
+                    continue
+                if remove_duplicate:
+                    if id(value) in seen:
+                        continue
+                    seen.add(id(value))
+                yield module_prefix + ("." if module_prefix else "") + name, value
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True):
+        for _, param in self.named_parameters(recurse=recurse):
+            yield param
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True):
+        for _, buffer in self.named_buffers(recurse=recurse):
+            yield buffer
+
+    def get_submodule(self, target: str) -> Module:
+        module = self
+        for item in target.split(".") if target else []:
+            if item not in module._modules or module._modules[item] is None:
+                raise AttributeError(f"{type(module).__name__} has no submodule `{item}`")
+            module = module._modules[item]
+        return module
+
+    def get_parameter(self, target: str) -> Parameter:
+        path, _, name = target.rpartition(".")
+        module = self.get_submodule(path)
+        if name not in module._parameters:
+            raise AttributeError(f"{type(module).__name__} has no parameter `{name}`")
+        return module._parameters[name]
+
+    def get_buffer(self, target: str) -> Tensor:
+        path, _, name = target.rpartition(".")
+        module = self.get_submodule(path)
+        if name not in module._buffers:
+            raise AttributeError(f"{type(module).__name__} has no buffer `{name}`")
+        return module._buffers[name]
+
+    # --- modes and flags ------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Module:
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        self.training = mode
+        for module in self.children():
+            module.train(mode)
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        for param in self.parameters():
+            param.requires_grad_(requires_grad)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        from flame.creation import zeros_like
+
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad = None if set_to_none else zeros_like(param.grad)
+
+    def apply(self, fn) -> Module:
+        for module in self.children():
+            module.apply(fn)
+        fn(self)
+        return self
+
+    # --- dtype and device -----------------------------------------------------------------
+    def _apply(self, fn, floating_only: bool = True) -> Module:
+        """``param.data = fn(param)`` for every parameter and buffer (and their gradients):
+        the tensors keep their identity (an optimizer built before still holds them)."""
+        from flame.autograd import no_grad
+
+        with no_grad():
+            for module in self.modules():
+                for param in module._parameters.values():
+                    if param is None or (floating_only and not param.dtype.is_float):
+                        continue
+                    param.data = fn(param.data)
+                    if param.grad is not None:
+                        param.grad = fn(param.grad).realize()
+                for name, buffer in module._buffers.items():
+                    if buffer is None or (floating_only and not buffer.dtype.is_float):
+                        continue
+                    module._buffers[name] = fn(buffer).realize()
+        return self
+
+    def to(self, *args, **kwargs) -> Module:
+        """``to(dtype)``, ``to(device)``, ``to(device, dtype)``, ``to(tensor)``; a dtype
+        applies to floating parameters and buffers only, as PyTorch's."""
+        dtype, device = _parse_to(*args, **kwargs)
+        if dtype is not None and not dtype.is_float:
+            raise TypeError(
+                f"nn.Module.to only accepts floating point dtypes, but got desired dtype={dtype}"
+            )
+
+        def convert(tensor: Tensor) -> Tensor:
+            moved = tensor if device is None else tensor.to(device)
+            if dtype is not None and tensor.dtype.is_float and moved.dtype is not dtype:
+                moved = moved.to(dtype)
+            return moved
+
+        return self._apply(convert, floating_only=False)
+
+    def _cast(self, dtype) -> Module:
+        return self._apply(lambda t: t.to(dtype) if t.dtype is not dtype else t)
+
+    def half(self) -> Module:
+        return self._cast(dtypes.float16)
+
+    def bfloat16(self) -> Module:
+        return self._cast(dtypes.bfloat16)
+
+    def float(self) -> Module:  # noqa: A003
+        return self._cast(dtypes.float32)
+
+    def double(self) -> Module:
+        return self._cast(dtypes.float64)
+
+    def cuda(self, device=None) -> Module:
+        return self.to("cuda")
+
+    def cpu(self) -> Module:
+        return self.to("cpu")
+
+    def type(self, dst_type) -> Module:  # noqa: A003
+        return self._apply(lambda t: t.to(dst_type), floating_only=False)
+
+    # --- state_dict -----------------------------------------------------------------------
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        for name, param in self._parameters.items():
+            if param is not None:
+                destination[prefix + name] = param if keep_vars else param.detach()
+        for name, buffer in self._buffers.items():
+            if buffer is not None and name not in self._non_persistent_buffers_set:
+                destination[prefix + name] = buffer if keep_vars else buffer.detach()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """An ordered ``{name: tensor}`` of parameters and persistent buffers, PyTorch's keys.
+        The tensors share the module's memory (``keep_vars=False`` detaches them)."""
+        if args:  # PyTorch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][
+                len(args):])[:3]
+        if destination is None:
+            destination = OrderedDict()
+        self._save_to_state_dict(destination, prefix, keep_vars)
+        for name, module in self._modules.items():
+            if module is not None:
+                module.state_dict(destination=destination, prefix=prefix + name + ".",
+                                  keep_vars=keep_vars)  # fmt: skip
+        return destination
+
+    def _state_entries(self):
+        """``{key: (module, table, name)}`` for every entry ``state_dict`` would hold."""
+        entries = {}
+        for prefix, module in self.named_modules(remove_duplicate=False):
+            base = prefix + "." if prefix else ""
+            for name, param in module._parameters.items():
+                if param is not None:
+                    entries[base + name] = (module, "_parameters", name)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    entries[base + name] = (module, "_buffers", name)
+        return entries
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Copy ``state_dict``'s values into the module's parameters and buffers (their memory
+        is written: compiled functions that read them see the new values).
+
+        Everything is checked before anything is written: missing and unexpected keys (an
+        error naming every one when ``strict``, reported in the result otherwise), wrong
+        shapes and values that are not tensors (always an error). On an error the module is
+        unchanged. Values may be FLAME tensors or NumPy arrays; they are cast to the
+        parameter's dtype and moved to its device, as ``copy_`` does."""
+        import numpy as np
+
+        from flame.autograd import no_grad
+
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(
+                f"Expected state_dict to be dict-like, got {type(state_dict).__name__}."
+            )
+        entries = self._state_entries()
+        missing = [key for key in entries if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in entries]
+        errors = []
+        if strict:
+            if unexpected:
+                errors.append(
+                    "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected)
+                    + ". "
+                )  # fmt: skip
+            if missing:
+                errors.append(
+                    "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". "
+                )
+        writes = []
+        for key, (module, table, name) in entries.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            current = getattr(module, table)[name]
+            if isinstance(value, np.ndarray) or (
+                hasattr(value, "__array__") and not isinstance(value, Tensor)
+            ):
+                value = np.asarray(value)
+            elif not isinstance(value, Tensor):
+                errors.append(
+                    f'While copying the parameter named "{key}", expected a flame tensor or '
+                    f"array from checkpoint but received {type(value).__name__}"
+                )
+                continue
+            if tuple(value.shape) != tuple(current.shape):
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {list(value.shape)} "
+                    f"from checkpoint, the shape in current model is {list(current.shape)}."
+                )
+                continue
+            writes.append((module, table, name, current, value))
+        if errors:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
+                + "\n\t".join(errors)
+            )
+        with no_grad():
+            for module, table, name, current, value in writes:
+                source = _as_tensor(value, current)
+                if assign:
+                    if table == "_parameters":
+                        current.data = source
+                    else:
+                        getattr(module, table)[name] = source.realize()
+                else:
+                    current.copy_(source)
+        return _IncompatibleKeys(missing, unexpected)
+
+    # --- calling and hooks ----------------------------------------------------------------
+    def register_forward_pre_hook(self, hook, *, prepend=False, with_kwargs=False):
+        """``hook(module, args) -> None | new args`` (``with_kwargs``: ``hook(module, args,
+        kwargs) -> None | (args, kwargs)``), before every ``forward``."""
+        handle = RemovableHandle(self._forward_pre_hooks, self._forward_pre_hooks_with_kwargs)
+        _insert(self._forward_pre_hooks, handle.id, hook, prepend)
+        if with_kwargs:
+            self._forward_pre_hooks_with_kwargs[handle.id] = True
+        return handle
+
+    def register_forward_hook(self, hook, *, prepend=False, with_kwargs=False, always_call=False):
+        """``hook(module, args, output) -> None | new output`` after every ``forward``."""
+        handle = RemovableHandle(self._forward_hooks, self._forward_hooks_with_kwargs)
+        _insert(self._forward_hooks, handle.id, hook, prepend)
+        if with_kwargs:
+            self._forward_hooks_with_kwargs[handle.id] = True
+        return handle
+
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        """``hook(module, grad_input, grad_output) -> None | new grad_input``, when the
+        gradients of the module's tensor inputs are computed. It runs while the backward
+        graph is built, so what it returns is IR of that graph (it fuses, and under
+        ``flame.compile`` it is traced once): as tensor hooks (``register_hook``)."""
+        handle = RemovableHandle(self._backward_hooks)
+        _insert(self._backward_hooks, handle.id, hook, prepend)
+        return handle
+
+    def register_backward_hook(self, hook):
+        raise NotImplementedError(
+            "register_backward_hook is deprecated in PyTorch; use register_full_backward_hook"
+        )
+
+    def __call__(self, *args, **kwargs):
+        for key, hook in list(self._forward_pre_hooks.items()):
+            if key in self._forward_pre_hooks_with_kwargs:
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(
+                            "forward pre-hook must return None or a tuple of (new_args, "
+                            f"new_kwargs), but got {result}."
+                        )
+                    args, kwargs = result
+            else:
+                result = hook(self, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        if self._backward_hooks:
+            from flame.nn.modules.hooks import BackwardHook
+
+            backward = BackwardHook(self, list(self._backward_hooks.values()))
+            args = backward.setup_inputs(args)
+        if self.forward is None:
+            raise NotImplementedError(
+                f'Module [{type(self).__name__}] is missing the required "forward" function'
+            )
+        output = self.forward(*args, **kwargs)
+        for key, hook in list(self._forward_hooks.items()):
+            if key in self._forward_hooks_with_kwargs:
+                result = hook(self, args, kwargs, output)
+            else:
+                result = hook(self, args, output)
+            if result is not None:
+                output = result
+        if self._backward_hooks:
+            output = backward.setup_outputs(output)
+        return output
+
+    # --- printing -------------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        return ""
+
+    def _get_name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        lines = []
+        extra = self.extra_repr()
+        if extra:
+            lines = extra.split("\n")
+        children = []
+        for name, module in self._modules.items():
+            text = _indent(repr(module), 2)
+            children.append(f"({name}): {text}")
+        body = lines + children
+        head = self._get_name() + "("
+        if not body:
+            return head + ")"
+        if len(lines) == 1 and not children:
+            return head + lines[0] + ")"
+        return head + "\n  " + "\n  ".join(body) + "\n)"
+
+    def __getstate__(self):
+        return self.__dict__.copy()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _remove_from(module: Module, name: str, *tables: str) -> None:
+    for table in tables:
+        entries = module.__dict__.get(table)
+        if entries is not None:
+            entries.pop(name, None)
+
+
+def _insert(hooks: OrderedDict, key: int, hook, prepend: bool) -> None:
+    hooks[key] = hook
+    if prepend:
+        hooks.move_to_end(key, last=False)
+
+
+def _indent(text: str, spaces: int) -> str:
+    lines = text.split("\n")
+    if len(lines) == 1:
+        return text
+    return lines[0] + "\n" + "\n".join(" " * spaces + line for line in lines[1:])
+
+
+def _parse_to(*args, dtype=None, device=None, non_blocking=False, copy=False, memory_format=None):
+    from flame.devices import _is_device
+
+    for value in args:
+        if isinstance(value, Tensor):
+            dtype, device = value.dtype, value.device
+        elif _is_device(value):
+            device = value
+        elif value is not None:
+            dtype = value
+    if dtype is not None:
+        dtype = dtypes.dtype(dtype)
+    return dtype, device
+
+
+def _as_tensor(value, current: Tensor) -> Tensor:
+    """``value`` (a FLAME tensor or an array) as a tensor on ``current``'s backend."""
+    from flame.backend import backend as use_backend
+    from flame.creation import tensor as make_tensor
+
+    if isinstance(value, Tensor):
+        if value.backend == current.backend:
+            return value
+        value = value.numpy()
+    with use_backend(current.backend):
+        return make_tensor(value)
