@@ -7,7 +7,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from flame.nn.modules.module import Module
+from flame.nn.modules.module import Module, _indent
 from flame.nn.parameter import Parameter
 from flame.tensor import Tensor
 
@@ -141,6 +141,24 @@ class ModuleList(Module):
         del self[key]
         return value
 
+    def __repr__(self) -> str:
+        """PyTorch's: runs of equal children shown once (``(0-1): 2 x Block()``)."""
+        items = [(name, repr(module)) for name, module in self._modules.items()]
+        if not items:
+            return "ModuleList()"
+        lines, start = [], 0
+        while start < len(items):
+            end = start
+            while end + 1 < len(items) and items[end + 1][1] == items[start][1]:
+                end += 1
+            text = _indent(items[start][1], 2)
+            if end == start:
+                lines.append(f"({items[start][0]}): {text}")
+            else:
+                lines.append(f"({items[start][0]}-{items[end][0]}): {end - start + 1} x {text}")
+            start = end + 1
+        return "ModuleList(\n  " + "\n  ".join(lines) + "\n)"
+
     def forward(self, *args, **kwargs):
         raise NotImplementedError("ModuleList is a container; it has no forward")
 
@@ -200,9 +218,7 @@ def _as_parameter(value) -> Parameter:
         return value
     if isinstance(value, Tensor):
         return Parameter(value)
-    raise TypeError(
-        f"a parameter container holds flame tensors, got {type(value).__name__}"
-    )
+    raise TypeError(f"a parameter container holds flame tensors, got {type(value).__name__}")
 
 
 class ParameterList(Module):
