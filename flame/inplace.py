@@ -145,7 +145,7 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
     trace = current_trace()
     if trace is not None:
         return _write_traced(trace, target, value, op)
-    old = target.node
+    old = original = target.node
     found = _memory_for_writing(old)
     if found is None and old.op in _VIEW_OPS:
         # a view of a lazy value (y = x.clone(); y[0].mul_(10)): the value gets its memory
@@ -155,10 +155,23 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
             base = base.inputs[0]
         from flame.backend import realize_nodes
 
+        if base.op == "const":
+            # ``fl.zeros(4, 5)``/``fl.empty``/``fl.full`` are a broadcast constant until
+            # realized: like PyTorch's, they are tensors of their own, so they get memory
+            from flame.shaping import clone
+
+            base = clone(Tensor(old, target.backend)).node
+            old = base
         realize_nodes(target.backend, [base])
         found = _memory_for_writing(old)
     if found is None:  # a lazy value: the tensor now stands for the new value
-        target.node = value.node
+        node = value.node
+        if original.grad_info is not None:  # a leaf keeps its flag and hooks, on a node
+            from flame.shaping import clone  # of its own (``value``'s may be shared)
+
+            node = clone(value).node
+            node.grad_info = original.grad_info
+        target.node = node
         return target
     storage, view = found
     if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
@@ -173,8 +186,8 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
         node.buffer = storage
     else:  # a new node over the memory: no chain of old values grows across a loop
         node = _view_again(old, storage)
-    if old.grad_info is not None:
-        node.grad_info = old.grad_info
+    if original.grad_info is not None:
+        node.grad_info = original.grad_info
     target.node = node
     _mark_overwritten(old, op)
     return target

@@ -361,3 +361,24 @@ def test_setitem_inside_compile(backend, rng):
     start[1] = v.numpy()[0]
     np.testing.assert_allclose(table.numpy(), start, rtol=1e-6)
     assert fill.cache_info().traces == 1
+
+
+def test_writing_into_a_fresh_zeros_empty_or_full_gives_it_memory(reference_backend):
+    # fl.zeros is a broadcast constant until realized; like PyTorch's, it is a tensor of its own
+    for make in (lambda: fl.zeros(4, 5), lambda: fl.empty(4, 5), lambda: fl.full((4, 5), 3.0)):
+        t = make()
+        t.fill_(2.0)
+        t[0, 1] = 7.0
+        expected = np.full((4, 5), 2.0, np.float32)
+        expected[0, 1] = 7.0
+        np.testing.assert_array_equal(t.numpy(), expected)
+
+
+def test_a_lazy_leaf_written_under_no_grad_still_requires_grad(reference_backend):
+    w = fl.randn(4, 5).requires_grad_()
+    x = fl.ones(4, 5)
+    with fl.no_grad():
+        w.copy_(x)  # the leaf keeps its flag; x does not take it
+    assert w.requires_grad and not x.requires_grad
+    (w * 3).sum().backward()
+    np.testing.assert_array_equal(w.grad.numpy(), np.full((4, 5), 3.0))
