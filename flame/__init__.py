@@ -70,6 +70,7 @@ from flame.indexing import (
     scatter_reduce,
     take_along_dim,
 )  # fmt: skip
+from flame.io import load_file, save_file
 from flame.ir.dtypes import (
     DType,
     bfloat16,
@@ -184,6 +185,6 @@ __all__ = [
     "repeat_interleave", "roll", "split", "unbind", "unflatten", "argsort", "msort", "sort",
     "topk", "Generator", "default_generator", "get_rng_state", "initial_seed",
     "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
-    "randperm",
+    "randperm", "load_file", "save_file",
     *_functional_names,
 ]  # fmt: skip
