@@ -1,0 +1,62 @@
+"""``Upsample``, ``UpsamplingNearest2d`` and ``UpsamplingBilinear2d`` over ``interpolate``
+(``flame.nn.interpolation``), with PyTorch's arguments, attributes and ``repr``."""
+
+from __future__ import annotations
+
+from flame.nn.interpolation import interpolate
+from flame.nn.modules.module import Module
+from flame.tensor import Tensor
+
+__all__ = ["Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d"]
+
+
+class Upsample(Module):
+    """Resize the spatial dims to ``size`` or by ``scale_factor``; ``mode`` is one of
+    ``interpolate``'s."""
+
+    def __init__(
+        self,
+        size=None,
+        scale_factor=None,
+        mode: str = "nearest",
+        align_corners: bool | None = None,
+        recompute_scale_factor: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = type(self).__name__
+        self.size = size
+        if isinstance(scale_factor, tuple):
+            self.scale_factor = tuple(float(factor) for factor in scale_factor)
+        else:
+            self.scale_factor = float(scale_factor) if scale_factor else None
+        self.mode = mode
+        self.align_corners = align_corners
+        self.recompute_scale_factor = recompute_scale_factor
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return interpolate(
+            input, self.size, self.scale_factor, self.mode, self.align_corners,
+            recompute_scale_factor=self.recompute_scale_factor,
+        )  # fmt: skip
+
+    def __setstate__(self, state):
+        if "recompute_scale_factor" not in state:
+            state["recompute_scale_factor"] = True
+        super().__setstate__(state)
+
+    def extra_repr(self) -> str:
+        if self.scale_factor is not None:
+            info = "scale_factor=" + repr(self.scale_factor)
+        else:
+            info = "size=" + repr(self.size)
+        return info + ", mode=" + repr(self.mode)
+
+
+class UpsamplingNearest2d(Upsample):
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="nearest")
+
+
+class UpsamplingBilinear2d(Upsample):
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="bilinear", align_corners=True)
