@@ -1,0 +1,525 @@
+"""``linear``, ``bilinear``, ``conv1d``, ``conv2d``, ``conv_transpose1d``, ``conv_transpose2d``,
+``unfold`` and ``fold`` with PyTorch's signatures, written with public FLAME ops so that they
+have autograd, run on every backend and the fusion pass sees through them.
+
+A convolution is im2col and one matmul: the input is padded once, each of the kh*kw kernel
+taps reads one strided slice of it (a view), the taps are stacked (one copy) and multiplied
+by the weight reshaped to [groups, out/groups, in/groups * kh*kw] (one batched matmul, cuBLAS
+on the GPU). A transposed convolution is the convolution of the zero-inserted input with the
+flipped, transposed weight (the gradient relationship). The cuDNN kernels are a later issue:
+until then im2col costs kh*kw times the input's memory.
+"""
+
+from __future__ import annotations
+
+from flame.amp.autocast_mode import lower_precision
+from flame.contraction import einsum
+from flame.ir.shapes import ShapeError, prod
+from flame.joining import pad, stack
+from flame.linalg import matmul
+from flame.shaping import checked_tensor, shown, user_errors
+from flame.tensor import Tensor
+from flame.views import flip, reshape, transpose
+
+__all__ = [
+    "bilinear", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear",
+    "unfold",
+]  # fmt: skip
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def int_tuple(value, count: int, op: str, name: str) -> tuple[int, ...]:
+    """An int or a sequence of ``count`` ints (or of one, repeated), as PyTorch's ``_pair``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be an int or a tuple of {count} ints, got {value!r}")
+    if hasattr(value, "__index__"):
+        return (value.__index__(),) * count
+    try:
+        values = tuple(item.__index__() for item in value)
+    except (TypeError, AttributeError):
+        raise TypeError(
+            f"{op}: {name} must be an int or a tuple of {count} ints, got {value!r}"
+        ) from None
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise ValueError(
+            f"{op}: expected {name} to be a single integer value or a list of {count} values, "
+            f"got {name}={list(values)}"
+        )
+    return values
+
+
+def _positive(values: tuple[int, ...], op: str, name: str) -> None:
+    if any(value <= 0 for value in values):
+        raise ValueError(f"{op}: {name} must be positive, got {list(values)}")
+
+
+def _non_negative(values: tuple[int, ...], op: str, name: str) -> None:
+    if any(value < 0 for value in values):
+        raise ValueError(f"{op}: negative {name} is not supported, got {list(values)}")
+
+
+def _groups(groups, op: str) -> int:
+    if isinstance(groups, bool) or not hasattr(groups, "__index__") or groups.__index__() <= 0:
+        raise ValueError(f"{op}: groups must be a positive integer, got {groups!r}")
+    return groups.__index__()
+
+
+def _check_rank(op: str, input: Tensor, weight: Tensor, spatial: int) -> None:  # noqa: A002
+    if input.ndim not in (spatial + 1, spatial + 2):
+        raise ShapeError(
+            f"{op}: expected a {spatial + 1}-d (unbatched) or {spatial + 2}-d (batched) input, "
+            f"got input {shown(input)}"
+        )
+    if weight.ndim != spatial + 2:
+        raise ShapeError(
+            f"{op}: expected a {spatial + 2}-d weight, got weight {shown(weight)} "
+            f"(input {shown(input)})"
+        )
+
+
+def _check_bias(op: str, bias, channels: int) -> None:
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != channels):
+        raise ShapeError(
+            f"{op}: bias must be 1-d with {channels} entries (the output channels), "
+            f"got bias {shown(bias)}"
+        )
+
+
+def _same_padding(op: str, kernel, dilation, stride) -> tuple[tuple[int, int], ...]:
+    if any(step != 1 for step in stride):
+        raise ValueError(f"{op}: padding='same' is not supported for strided convolutions")
+    pairs = []
+    for size, spacing in zip(kernel, dilation):
+        total = spacing * (size - 1)
+        pairs.append((total // 2, total - total // 2))  # the odd one out goes after, as PyTorch
+    return tuple(pairs)
+
+
+def _padding_pairs(op: str, padding, kernel, dilation, stride) -> tuple[tuple[int, int], ...]:
+    """(before, after) per spatial dim, from an int, a tuple, ``'same'`` or ``'valid'``."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return ((0, 0),) * len(kernel)
+        if padding == "same":
+            return _same_padding(op, kernel, dilation, stride)
+        raise ValueError(
+            f"{op}: padding must be 'same', 'valid', an int or a tuple, got {padding!r}"
+        )
+    values = int_tuple(padding, len(kernel), op, "padding")
+    _non_negative(values, op, "padding")
+    return tuple((value, value) for value in values)
+
+
+def _output_sizes(op, input: Tensor, sizes, pairs, kernel, dilation, stride) -> tuple[int, ...]:  # noqa: A002
+    result = []
+    for size, (low, high), taps, spacing, step in zip(sizes, pairs, kernel, dilation, stride):
+        reach = spacing * (taps - 1) + 1
+        if size + low + high < reach:
+            raise ShapeError(
+                f"{op}: input {shown(input)} padded by {low}+{high} is smaller than the "
+                f"kernel's reach {reach} (kernel {taps}, dilation {spacing})"
+            )
+        result.append((size + low + high - reach) // step + 1)
+    return tuple(result)
+
+
+# --- im2col ------------------------------------------------------------------------------------
+
+
+def kernel_taps(padded: Tensor, kernel, dilation, stride, out_sizes) -> list[Tensor]:
+    """One strided view of ``padded`` [N, C, H, W] per kernel tap, each [N, C, Ho, Wo]: tap
+    (i, j) of output (y, x) reads ``padded[..., y*sh + i*dh, x*sw + j*dw]``."""
+    taps = []
+    for row in range(kernel[0]):
+        for col in range(kernel[1]):
+            top, left = row * dilation[0], col * dilation[1]
+            bottom = top + stride[0] * (out_sizes[0] - 1) + 1
+            right = left + stride[1] * (out_sizes[1] - 1) + 1
+            taps.append(padded[:, :, top : bottom : stride[0], left : right : stride[1]])
+    return taps
+
+
+def _pad_spatial(x: Tensor, pairs, value: float = 0.0) -> Tensor:
+    widths = [width for pair in reversed(pairs) for width in pair]  # F.pad: last dim first
+    if not any(widths):
+        return x
+    return pad(x, widths, value=value)
+
+
+def _conv2d(x: Tensor, weight: Tensor, bias, stride, pairs, dilation, groups: int) -> Tensor:
+    """conv2d of a batched ``x`` (arguments checked and normalized)."""
+    batch, channels = x.shape[0], x.shape[1]
+    out_channels, kernel = weight.shape[0], weight.shape[2:]
+    out_sizes = _output_sizes("conv2d", x, x.shape[2:], pairs, kernel, dilation, stride)
+    padded = _pad_spatial(x, pairs)
+    taps = kernel_taps(padded, kernel, dilation, stride, out_sizes)
+    columns = stack(taps, 2) if len(taps) > 1 else taps[0]  # [N, C, kh*kw, Ho, Wo]
+    per_group = channels // groups * prod(kernel)
+    columns = reshape(columns, (batch, groups, per_group, prod(out_sizes)))
+    matrix = reshape(weight, (groups, out_channels // groups, per_group))
+    result = reshape(matmul(matrix, columns), (batch, out_channels, *out_sizes))
+    if bias is not None:
+        result = result + reshape(bias, (out_channels, 1, 1))
+    return result
+
+
+def _batched(input: Tensor, spatial: int) -> tuple[Tensor, bool]:  # noqa: A002
+    if input.ndim == spatial + 1:
+        return reshape(input, (1, *input.shape)), True
+    return input, False
+
+
+def _unbatched(result: Tensor, unbatched: bool) -> Tensor:
+    return reshape(result, result.shape[1:]) if unbatched else result
+
+
+# --- linear ------------------------------------------------------------------------------------
+
+
+@user_errors
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:  # noqa: A002
+    """``input @ weight.T + bias``: input [*, in_features], weight [out_features, in_features]
+    (or [in_features]), bias [out_features]."""
+    checked_tensor("linear", input)
+    checked_tensor("linear", weight)
+    input, weight, bias = lower_precision(input, weight, bias)
+    if weight.ndim not in (1, 2):
+        raise ShapeError(f"linear: weight must be 1-d or 2-d, got weight {shown(weight)}")
+    if input.ndim == 0 or input.shape[-1] != weight.shape[-1]:
+        raise ShapeError(
+            f"linear: input {shown(input)} has {input.shape[-1] if input.ndim else 0} features "
+            f"in its last dim, weight {shown(weight)} expects {weight.shape[-1]}"
+        )
+    result = matmul(input, transpose(weight, 0, 1) if weight.ndim == 2 else weight)
+    return result if bias is None else result + bias
+
+
+@user_errors
+def bilinear(input1: Tensor, input2: Tensor, weight: Tensor, bias: Tensor | None = None):
+    """``out[..., o] = sum_ij input1[..., i] weight[o, i, j] input2[..., j] + bias[o]``."""
+    checked_tensor("bilinear", input1)
+    checked_tensor("bilinear", input2)
+    input1, input2, weight, bias = lower_precision(input1, input2, weight, bias)
+    if (
+        weight.ndim != 3
+        or input1.shape[:-1] != input2.shape[:-1]
+        or input1.shape[-1:] != weight.shape[1:2]
+        or input2.shape[-1:] != weight.shape[2:3]
+    ):
+        raise ShapeError(
+            f"bilinear: input1 {shown(input1)} and input2 {shown(input2)} must share their "
+            f"leading dims and match weight {shown(weight)} [out, in1, in2]"
+        )
+    lead = input1.shape[:-1]
+    left = reshape(input1, (-1, input1.shape[-1]))
+    right = reshape(input2, (-1, input2.shape[-1]))
+    result = einsum("bi,oij,bj->bo", left, weight, right)
+    result = reshape(result, (*lead, weight.shape[0]))
+    return result if bias is None else result + bias
+
+
+# --- convolution -------------------------------------------------------------------------------
+
+
+def _check_conv(op: str, input, weight, bias, groups: int, spatial: int) -> None:  # noqa: A002
+    checked_tensor(op, input)
+    checked_tensor(op, weight)
+    _check_rank(op, input, weight, spatial)
+    out_channels, channels = weight.shape[0], input.shape[-spatial - 1]
+    if out_channels % groups:
+        raise ValueError(
+            f"{op}: out_channels {out_channels} of weight {shown(weight)} is not divisible by "
+            f"groups={groups}"
+        )
+    if channels % groups or channels != weight.shape[1] * groups:
+        raise ShapeError(
+            f"{op}: input {shown(input)} has {channels} channels, but weight {shown(weight)} "
+            f"with groups={groups} expects {weight.shape[1] * groups}"
+        )
+    _check_bias(op, bias, out_channels)
+
+
+@user_errors
+def conv2d(
+    input: Tensor,  # noqa: A002 (PyTorch's name)
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+) -> Tensor:
+    """2-d convolution (cross-correlation, as PyTorch's) of input [N, C, H, W] (or [C, H, W])
+    with weight [out, C/groups, kH, kW]; padding an int, a pair, ``'same'`` or ``'valid'``."""
+    groups = _groups(groups, "conv2d")
+    _check_conv("conv2d", input, weight, bias, groups, 2)
+    input, weight, bias = lower_precision(input, weight, bias)
+    stride = int_tuple(stride, 2, "conv2d", "stride")
+    dilation = int_tuple(dilation, 2, "conv2d", "dilation")
+    _positive(stride, "conv2d", "stride")
+    _positive(dilation, "conv2d", "dilation")
+    pairs = _padding_pairs("conv2d", padding, weight.shape[2:], dilation, stride)
+    x, unbatched = _batched(input, 2)
+    return _unbatched(_conv2d(x, weight, bias, stride, pairs, dilation, groups), unbatched)
+
+
+@user_errors
+def conv1d(
+    input: Tensor,  # noqa: A002
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+) -> Tensor:
+    """1-d convolution of input [N, C, L] (or [C, L]) with weight [out, C/groups, k]: conv2d
+    with a unit height."""
+    groups = _groups(groups, "conv1d")
+    _check_conv("conv1d", input, weight, bias, groups, 1)
+    input, weight, bias = lower_precision(input, weight, bias)
+    (stride,) = int_tuple(stride, 1, "conv1d", "stride")
+    (dilation,) = int_tuple(dilation, 1, "conv1d", "dilation")
+    _positive((stride, dilation), "conv1d", "stride and dilation")
+    pairs = _padding_pairs("conv1d", padding, weight.shape[2:], (dilation,), (stride,))
+    x, unbatched = _batched(input, 1)
+    x = reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
+    kernel = reshape(weight, (weight.shape[0], weight.shape[1], 1, weight.shape[2]))
+    result = _conv2d(x, kernel, bias, (1, stride), ((0, 0), *pairs), (1, dilation), groups)
+    result = reshape(result, (result.shape[0], result.shape[1], result.shape[3]))
+    return _unbatched(result, unbatched)
+
+
+# --- transposed convolution --------------------------------------------------------------------
+
+
+def _zero_inserted(x: Tensor, stride) -> Tensor:
+    """[N, C, H, W] -> [N, C, (H-1)*sh + 1, (W-1)*sw + 1] with sh-1 (sw-1) zeros between
+    neighbours: each entry padded into an [sh, sw] block, the trailing zeros cut."""
+    if stride == (1, 1):
+        return x
+    batch, channels, height, width = x.shape
+    blocks = reshape(x, (batch, channels, height, 1, width, 1))
+    blocks = pad(blocks, (0, stride[1] - 1, 0, 0, 0, stride[0] - 1))
+    spread = reshape(blocks, (batch, channels, height * stride[0], width * stride[1]))
+    return spread[:, :, : (height - 1) * stride[0] + 1, : (width - 1) * stride[1] + 1]
+
+
+def _conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation):
+    """conv_transpose2d of a batched ``x`` (arguments checked and normalized)."""
+    channels, per_group_out = weight.shape[0], weight.shape[1]
+    kernel = weight.shape[2:]
+    spread = _zero_inserted(x, stride)
+    pairs = []
+    for taps, spacing, low, extra in zip(kernel, dilation, padding, output_padding):
+        reach = spacing * (taps - 1)
+        pairs.append((reach - low, reach - low + extra))  # negative widths crop (F.pad's rule)
+    spread = _pad_spatial(spread, pairs)
+    # [in, out/g, kh, kw] -> [out, in/g, kh, kw], flipped: the adjoint of the convolution
+    grouped = reshape(weight, (groups, channels // groups, per_group_out, *kernel))
+    adjoint = reshape(
+        transpose(grouped, 1, 2), (groups * per_group_out, channels // groups, *kernel)
+    )
+    adjoint = flip(adjoint, (2, 3))
+    none = ((0, 0), (0, 0))
+    return _conv2d(spread, adjoint, bias, (1, 1), none, dilation, groups)
+
+
+def _check_conv_transpose(op: str, input, weight, bias, groups: int, spatial: int) -> None:  # noqa: A002
+    checked_tensor(op, input)
+    checked_tensor(op, weight)
+    _check_rank(op, input, weight, spatial)
+    channels = input.shape[-spatial - 1]
+    if weight.shape[0] % groups:
+        raise ValueError(
+            f"{op}: in_channels {weight.shape[0]} of weight {shown(weight)} is not divisible "
+            f"by groups={groups}"
+        )
+    if channels != weight.shape[0]:
+        raise ShapeError(
+            f"{op}: input {shown(input)} has {channels} channels, but weight {shown(weight)} "
+            f"[in, out/groups, ...] expects {weight.shape[0]}"
+        )
+    _check_bias(op, bias, weight.shape[1] * groups)
+
+
+def _transpose_arguments(op, spatial, stride, padding, output_padding, dilation):
+    stride = int_tuple(stride, spatial, op, "stride")
+    padding = int_tuple(padding, spatial, op, "padding")
+    output_padding = int_tuple(output_padding, spatial, op, "output_padding")
+    dilation = int_tuple(dilation, spatial, op, "dilation")
+    _positive(stride, op, "stride")
+    _positive(dilation, op, "dilation")
+    _non_negative(padding, op, "padding")
+    _non_negative(output_padding, op, "output_padding")
+    for extra, step, spacing in zip(output_padding, stride, dilation):
+        if extra >= step and extra >= spacing:
+            raise ValueError(
+                f"{op}: output padding must be smaller than either stride or dilation, got "
+                f"output_padding={list(output_padding)}, stride={list(stride)}, "
+                f"dilation={list(dilation)}"
+            )
+    return stride, padding, output_padding, dilation
+
+
+def _check_transposed_size(op, input, weight, stride, padding, output_padding, dilation):  # noqa: A002
+    spatial = len(stride)
+    for axis in range(spatial):
+        size = input.shape[input.ndim - spatial + axis]
+        reach = dilation[axis] * (weight.shape[2 + axis] - 1)
+        out = (size - 1) * stride[axis] - 2 * padding[axis] + reach + output_padding[axis] + 1
+        if out <= 0:
+            raise ShapeError(
+                f"{op}: input {shown(input)} with weight {shown(weight)}, stride "
+                f"{list(stride)} and padding {list(padding)} gives an empty output"
+            )
+
+
+@user_errors
+def conv_transpose2d(
+    input: Tensor,  # noqa: A002
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    output_padding=0,
+    groups: int = 1,
+    dilation=1,
+) -> Tensor:
+    """The transposed 2-d convolution (the gradient of conv2d with respect to its input):
+    input [N, C, H, W] (or [C, H, W]), weight [C, out/groups, kH, kW]; the output's height is
+    ``(H-1)*stride - 2*padding + dilation*(kH-1) + output_padding + 1``."""
+    op = "conv_transpose2d"
+    groups = _groups(groups, op)
+    _check_conv_transpose(op, input, weight, bias, groups, 2)
+    input, weight, bias = lower_precision(input, weight, bias)
+    arguments = _transpose_arguments(op, 2, stride, padding, output_padding, dilation)
+    _check_transposed_size(op, input, weight, *arguments)
+    stride, padding, output_padding, dilation = arguments
+    x, unbatched = _batched(input, 2)
+    result = _conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
+    return _unbatched(result, unbatched)
+
+
+@user_errors
+def conv_transpose1d(
+    input: Tensor,  # noqa: A002
+    weight: Tensor,
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    output_padding=0,
+    groups: int = 1,
+    dilation=1,
+) -> Tensor:
+    """The transposed 1-d convolution: conv_transpose2d with a unit height."""
+    op = "conv_transpose1d"
+    groups = _groups(groups, op)
+    _check_conv_transpose(op, input, weight, bias, groups, 1)
+    input, weight, bias = lower_precision(input, weight, bias)
+    arguments = _transpose_arguments(op, 1, stride, padding, output_padding, dilation)
+    _check_transposed_size(op, input, weight, *arguments)
+    stride, padding, output_padding, dilation = ((1, *values) for values in arguments)
+    padding = (0, padding[1])
+    output_padding = (0, output_padding[1])
+    x, unbatched = _batched(input, 1)
+    x = reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
+    kernel = reshape(weight, (weight.shape[0], weight.shape[1], 1, weight.shape[2]))
+    result = _conv_transpose2d(x, kernel, bias, stride, padding, output_padding, groups, dilation)
+    result = reshape(result, (result.shape[0], result.shape[1], result.shape[3]))
+    return _unbatched(result, unbatched)
+
+
+# --- unfold / fold -----------------------------------------------------------------------------
+
+
+def _window_arguments(op, kernel_size, dilation, padding, stride):
+    kernel = int_tuple(kernel_size, 2, op, "kernel_size")
+    dilation = int_tuple(dilation, 2, op, "dilation")
+    padding = int_tuple(padding, 2, op, "padding")
+    stride = int_tuple(stride, 2, op, "stride")
+    _positive(kernel, op, "kernel_size")
+    _positive(dilation, op, "dilation")
+    _positive(stride, op, "stride")
+    _non_negative(padding, op, "padding")
+    return kernel, dilation, tuple((value, value) for value in padding), stride
+
+
+@user_errors
+def unfold(input: Tensor, kernel_size, dilation=1, padding=0, stride=1) -> Tensor:  # noqa: A002
+    """Sliding blocks of input [N, C, H, W] (or [C, H, W]) as columns: [N, C*kH*kW, L], L the
+    number of blocks (channel-major, then the kernel taps in row-major order, as PyTorch)."""
+    checked_tensor("unfold", input)
+    if input.ndim not in (3, 4):
+        raise ShapeError(
+            f"unfold: expected a 3-d (unbatched) or 4-d (batched) input, got input {shown(input)}"
+        )
+    kernel, dilation, pairs, stride = _window_arguments(
+        "unfold", kernel_size, dilation, padding, stride
+    )
+    x, unbatched = _batched(input, 2)
+    out_sizes = _output_sizes("unfold", input, x.shape[2:], pairs, kernel, dilation, stride)
+    taps = kernel_taps(_pad_spatial(x, pairs), kernel, dilation, stride, out_sizes)
+    columns = stack(taps, 2) if len(taps) > 1 else taps[0]
+    batch, channels = x.shape[0], x.shape[1]
+    columns = reshape(columns, (batch, channels * prod(kernel), prod(out_sizes)))
+    return _unbatched(columns, unbatched)
+
+
+@user_errors
+def fold(input: Tensor, output_size, kernel_size, dilation=1, padding=0, stride=1) -> Tensor:  # noqa: A002
+    """The adjoint of ``unfold``: columns [N, C*kH*kW, L] (or [C*kH*kW, L]) summed back into
+    [N, C, H, W] at the blocks they came from (overlaps add up)."""
+    checked_tensor("fold", input)
+    op = "fold"
+    out_size = int_tuple(output_size, 2, op, "output_size")
+    kernel, dilation, pairs, stride = _window_arguments(op, kernel_size, dilation, padding, stride)
+    if input.ndim not in (2, 3):
+        raise ShapeError(
+            f"fold: expected a 2-d (unbatched) or 3-d (batched) input, got input {shown(input)}"
+        )
+    x = input if input.ndim == 3 else reshape(input, (1, *input.shape))
+    taps = prod(kernel)
+    if x.shape[1] % taps:
+        raise ShapeError(
+            f"fold: expected size {x.shape[1]} of dim 1 of input {shown(input)} to be divisible "
+            f"by the product of kernel_size {list(kernel)} ({taps})"
+        )
+    padded_size = tuple(size + low + high for size, (low, high) in zip(out_size, pairs))
+    blocks = []
+    for size, taps_axis, spacing, step in zip(padded_size, kernel, dilation, stride):
+        blocks.append((size - spacing * (taps_axis - 1) - 1) // step + 1)
+    if any(count <= 0 for count in blocks) or x.shape[2] != prod(blocks):
+        raise ShapeError(
+            f"fold: expected size {x.shape[2]} of dim 2 of input {shown(input)} to match the "
+            f"number of sliding blocks {' * '.join(map(str, blocks))} = {prod(blocks)} "
+            f"(output_size {list(out_size)}, kernel_size {list(kernel)})"
+        )
+    result = _fold(x, out_size, padded_size, kernel, dilation, pairs, stride, tuple(blocks))
+    return result if input.ndim == 3 else reshape(result, result.shape[1:])
+
+
+def _fold(x, out_size, padded_size, kernel, dilation, pairs, stride, blocks) -> Tensor:
+    """Each kernel tap's block of values, zero-inserted by the stride and padded to its
+    place in the padded output; the taps summed, the padding cut."""
+    batch, channels = x.shape[0], x.shape[1] // prod(kernel)
+    columns = reshape(x, (batch, channels, prod(kernel), *blocks))
+    total = None
+    for index in range(prod(kernel)):
+        row, col = divmod(index, kernel[1])
+        spread = _zero_inserted(columns[:, :, index], stride)
+        top, left = row * dilation[0], col * dilation[1]
+        placed = _pad_spatial(
+            spread,
+            (
+                (top, padded_size[0] - top - spread.shape[2]),
+                (left, padded_size[1] - left - spread.shape[3]),
+            ),
+        )
+        total = placed if total is None else total + placed
+    (top, _), (left, _) = pairs
+    return total[:, :, top : top + out_size[0], left : left + out_size[1]]
