@@ -50,7 +50,7 @@ _OTHER_BITS = {
 
 HOST_READ = "pread"  # how the cuda path reads the file: "pread" or "mmap"
 CHUNK_BYTES = 32 << 20  # one staging buffer; 4 of them make the ring
-_READ_THREADS = 4
+_READ_THREADS = min(8, os.cpu_count() or 1)  # one reader cannot keep up with the copy
 
 
 class WeightsFileError(ValueError):

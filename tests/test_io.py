@@ -491,3 +491,15 @@ def test_load_to_gpu_matches_reference(tmp_path, rng, monkeypatch, host_read):
     np.testing.assert_array_equal(doubled, arrays["float321"] * 2)
     fl.save_file(on_gpu, tmp_path / "again.safetensors")
     assert (tmp_path / "again.safetensors").read_bytes() == path.read_bytes()
+
+
+def test_weights_benchmark_smoke(tmp_path, reference_backend):
+    """bench/weights.py end to end on the CPU (its GPU timings need the device machine)."""
+    weights = pytest.importorskip("bench.weights")
+    assert weights.main(["--out", str(tmp_path), "--size-mb", "1", "--backend", "reference",
+                         "--repeats", "2"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "weights.json").read_text())
+    assert report["checkpoint"]["tensors"] >= 290
+    assert report["timings"]["mismatched_tensors"] == []
+    assert set(report["timings"]["ms"]) == {"flame", "safetensors_numpy"}
+    assert "flame.load_file" in (tmp_path / "weights.md").read_text()
