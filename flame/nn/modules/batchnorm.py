@@ -1,0 +1,135 @@
+"""``BatchNorm1d`` and ``BatchNorm2d``, as PyTorch's: the same constructor arguments, the
+buffers ``running_mean``, ``running_var`` and ``num_batches_tracked`` (int64), the
+``state_dict`` keys, train/eval behaviour and ``repr``.
+
+In training the batch's statistics normalise and the running ones move toward them (in
+place, inside ``F.batch_norm``); in eval the running ones normalise. ``momentum=None`` is
+PyTorch's cumulative average (factor ``1 / num_batches_tracked``): the factor is a Python
+number, so it reads ``num_batches_tracked`` from the device every step (a sync), as PyTorch
+does; under ``flame.compile`` it would be baked into the trace, so give a momentum there.
+With ``track_running_stats=False`` there are no buffers and the batch's statistics are used
+in eval too.
+"""
+
+from __future__ import annotations
+
+from flame.creation import ones, tensor, zeros
+from flame.ir import dtypes
+from flame.nn import init
+from flame.nn.modules.linear import empty_parameter
+from flame.nn.modules.module import Module
+from flame.nn.normalization import batch_norm
+from flame.tensor import Tensor
+
+__all__ = ["BatchNorm1d", "BatchNorm2d"]
+
+
+class _NormBase(Module):
+    """Parameters, buffers, their reset and ``repr`` (shared with future instance norms)."""
+
+    _version = 2
+    __constants__ = ["track_running_stats", "momentum", "eps", "num_features", "affine"]
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+    ):
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = empty_parameter((num_features,), device, dtype)
+            if bias:
+                self.bias = empty_parameter((num_features,), device, dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            dtype = dtypes.float32 if dtype is None else dtypes.dtype(dtype)
+            self.register_buffer("running_mean", zeros(num_features, dtype=dtype, device=device))
+            self.register_buffer("running_var", ones(num_features, dtype=dtype, device=device))
+            # fl.tensor, not fl.zeros(()): a realized 0-d constant has a view that writes
+            # refuse (View(shape=(), strides=(1,)), flame/inplace.py)
+            count = tensor(0, dtype=dtypes.int64, device=device)
+            self.register_buffer("num_batches_tracked", count)
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
+
+    def _check_input_dim(self, input: Tensor) -> None:  # noqa: A002 (PyTorch's name)
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, bias={self.bias is not None}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+
+
+class _BatchNorm(_NormBase):
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # the cumulative average
+                factor = 1.0 / float(self.num_batches_tracked.item())
+        # the batch's statistics in training, and in eval when there are no running ones
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        # the running statistics are passed where they are updated or used
+        pass_running = not self.training or self.track_running_stats
+        return batch_norm(
+            input,
+            self.running_mean if pass_running else None,
+            self.running_var if pass_running else None,
+            self.weight,
+            self.bias,
+            use_batch,
+            factor,
+            self.eps,
+        )
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of [N, C] or [N, C, L] per channel C."""
+
+    def _check_input_dim(self, input: Tensor) -> None:  # noqa: A002
+        if input.ndim != 2 and input.ndim != 3:
+            raise ValueError(f"expected 2D or 3D input (got {input.ndim}D input)")
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of [N, C, H, W] per channel C."""
+
+    def _check_input_dim(self, input: Tensor) -> None:  # noqa: A002
+        if input.ndim != 4:
+            raise ValueError(f"expected 4D input (got {input.ndim}D input)")

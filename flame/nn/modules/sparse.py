@@ -1,0 +1,134 @@
+"""``Embedding``, as PyTorch's: the same constructor arguments and checks, ``weight``
+[num_embeddings, embedding_dim] drawn from N(0, 1) with the ``padding_idx`` row zeroed,
+``from_pretrained`` and ``repr``.
+
+Not supported (refused at construction, with the reason): ``max_norm`` (PyTorch renormalises
+the looked-up rows of the weight in place during ``forward``), ``scale_grad_by_freq`` and
+``sparse=True`` (FLAME's gradients are dense).
+"""
+
+from __future__ import annotations
+
+from flame.autograd import no_grad
+from flame.nn import init
+from flame.nn.functional import embedding
+from flame.nn.modules.linear import empty_parameter
+from flame.nn.modules.module import Module
+from flame.nn.parameter import Parameter
+from flame.tensor import Tensor
+
+__all__ = ["Embedding"]
+
+
+def _refuse_unsupported(max_norm, scale_grad_by_freq: bool, sparse: bool) -> None:
+    if max_norm is not None:
+        raise NotImplementedError(
+            f"Embedding: max_norm={max_norm} is not supported (it renormalises the weight's "
+            "rows in place during forward); renormalise the weight yourself"
+        )
+    if scale_grad_by_freq:
+        raise NotImplementedError("Embedding: scale_grad_by_freq=True is not supported")
+    if sparse:
+        raise NotImplementedError(
+            "Embedding: sparse=True is not supported (FLAME's gradients are dense)"
+        )
+
+
+class Embedding(Module):
+    """A lookup table: ``forward(indices)`` gives ``weight[indices]``, shape
+    ``indices.shape + [embedding_dim]``; the ``padding_idx`` row gets no gradient."""
+
+    __constants__ = [
+        "num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+        "scale_grad_by_freq", "sparse",
+    ]  # fmt: skip
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _refuse_unsupported(max_norm, scale_grad_by_freq, sparse)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        if padding_idx is not None:
+            if padding_idx > 0:
+                if padding_idx >= num_embeddings:
+                    raise AssertionError("Padding_idx must be within num_embeddings")
+            elif padding_idx < 0:
+                if padding_idx < -num_embeddings:
+                    raise AssertionError("Padding_idx must be within num_embeddings")
+                padding_idx = num_embeddings + padding_idx
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        if _weight is None:
+            shape = (num_embeddings, embedding_dim)
+            self.weight = empty_parameter(shape, device, dtype, requires_grad=not _freeze)
+            self.reset_parameters()
+        else:
+            if list(_weight.shape) != [num_embeddings, embedding_dim]:
+                raise AssertionError(
+                    "Shape of weight does not match num_embeddings and embedding_dim"
+                )
+            self.weight = Parameter(_weight, requires_grad=not _freeze)
+        self.sparse = sparse
+
+    def reset_parameters(self) -> None:
+        init.normal_(self.weight)
+        self._fill_padding_idx_with_zero()
+
+    def _fill_padding_idx_with_zero(self) -> None:
+        if self.padding_idx is not None:
+            with no_grad():
+                self.weight[self.padding_idx].fill_(0)
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
+        return embedding(input, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        text = "{num_embeddings}, {embedding_dim}"
+        if self.padding_idx is not None:
+            text += ", padding_idx={padding_idx}"
+        if self.max_norm is not None:
+            text += ", max_norm={max_norm}"
+        if self.norm_type != 2:
+            text += ", norm_type={norm_type}"
+        if self.scale_grad_by_freq is not False:
+            text += ", scale_grad_by_freq={scale_grad_by_freq}"
+        if self.sparse is not False:
+            text += ", sparse=True"
+        return text.format(**self.__dict__)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: Tensor,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+    ) -> Embedding:
+        """An ``Embedding`` whose weight is ``embeddings`` [rows, dim] (its memory, shared;
+        ``freeze``: no gradient)."""
+        if embeddings.ndim != 2:
+            raise AssertionError("Embeddings parameter is expected to be 2-dimensional")
+        rows, cols = embeddings.shape
+        return cls(
+            num_embeddings=rows, embedding_dim=cols, _weight=embeddings, _freeze=freeze,
+            padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+        )  # fmt: skip
