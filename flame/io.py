@@ -273,6 +273,8 @@ def _backend_of(device) -> str:
 
 
 def _load(path: str, backend: str, entries: list[_Entry]) -> dict[str, Tensor]:
+    if not entries:
+        return {}
     if backend == "cuda":
         arrays = _read_to_gpu(path, entries)
     else:

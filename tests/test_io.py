@@ -30,6 +30,14 @@ DTYPES = [
 SHAPES = [(3, 5), (), (0, 4), (2, 3, 4)]
 
 
+@pytest.fixture(autouse=True)
+def keep_default_generator():
+    """Checkpoint tests seed and restore the default generator: put it back after each."""
+    state = fl.get_rng_state().numpy().copy()
+    yield
+    fl.set_rng_state(state)
+
+
 def random_values(rng, dtype, shape) -> np.ndarray:
     """Any bit pattern of the dtype (NaN payloads, -0, infinities, subnormals included)."""
     if dtype is fl.bool_:
