@@ -20,6 +20,7 @@ would silently untie them. Lazy and non-contiguous tensors are computed and pack
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -406,7 +407,8 @@ class _Source:
     def __exit__(self, *exc_info):
         if self.mapping is not None:
             del self.mapped
-            self.mapping.close()
+            with contextlib.suppress(BufferError):  # a view kept by a traceback: GC closes it
+                self.mapping.close()
         os.close(self.descriptor)
 
     def fill(self, staged: np.ndarray, offset: int, pool: ThreadPoolExecutor) -> None:
