@@ -8,7 +8,8 @@ runs every loader once more to warm it (and the allocators) again, then times ea
 in turns, ``--repeats`` times: wall time from the call to the last byte on the GPU (the
 device synchronised). Reported: the median, GB/s, and the ratio to the peer, beside the
 floor of a host-to-device copy from page-locked memory. FLAME loads twice: reading with
-``pread`` (its default) and copying from a memory mapping (``flame.io.HOST_READ = "mmap"``).
+``pread`` (its default) and copying from a memory mapping
+(``flame.runtime.file_uploads.HOST_READ = "mmap"``).
 ``--backend reference`` is a CPU smoke mode (the peer is ``safetensors.numpy.load_file``).
 Writes ``weights.json`` and ``weights.md`` under ``--out``.
 """
@@ -74,17 +75,17 @@ def warm_page_cache(path: Path) -> None:
 def loaders(backend: str, path: Path) -> dict:
     """name -> a function that loads the file and waits for the last byte."""
     import flame as fl
-    from flame import io
+    from flame.runtime import file_uploads
 
     def flame_load(host_read):
         def load():
-            io.HOST_READ = host_read
+            file_uploads.HOST_READ = host_read
             try:
                 tensors = fl.load_file(path, device="cuda" if backend == "cuda" else "cpu")
                 if backend == "cuda":
                     fl.synchronize()
             finally:
-                io.HOST_READ = "pread"
+                file_uploads.HOST_READ = "pread"
             return tensors
 
         return load

@@ -21,6 +21,7 @@ from safetensors import safe_open
 import flame as fl
 from flame import io
 from flame.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from flame.runtime import file_uploads
 
 DTYPES = [
     (fl.float32, "F32"), (fl.float16, "F16"), (fl.bfloat16, "BF16"), (fl.float64, "F64"),
@@ -343,11 +344,13 @@ def test_chunked_copies_reassemble_every_tensor(
     fl.save_file({name: fl.from_numpy(a) for name, a in arrays.items()}, path)
     copies: list = []
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(copies))
-    monkeypatch.setattr(io, "_staging", None)  # a ring of the stand-in's buffers, dropped after
-    monkeypatch.setattr(io, "CHUNK_BYTES", chunk)
-    monkeypatch.setattr(io, "HOST_READ", host_read)
+    monkeypatch.setattr(
+        file_uploads, "_staging", None
+    )  # a ring of the stand-in's buffers, dropped after
+    monkeypatch.setattr(file_uploads, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(file_uploads, "HOST_READ", host_read)
     entries = io._read_header(str(path))[0]
-    got = io._read_to_gpu(str(path), entries)
+    got = file_uploads.read_to_gpu(str(path), entries)
     for name, array in arrays.items():
         expected = array.view(np.uint16) if array.dtype == ml_dtypes.bfloat16 else array
         assert_same_bits(np.asarray(got[name]).view(np.ndarray), expected)
@@ -480,8 +483,8 @@ def test_checkpoint_restores_the_generator(tmp_path, reference_backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("host_read", ["pread", "mmap"])
 def test_load_to_gpu_matches_reference(tmp_path, rng, monkeypatch, host_read):
-    monkeypatch.setattr(io, "CHUNK_BYTES", 1 << 16)  # several chunks, pieces across them
-    monkeypatch.setattr(io, "HOST_READ", host_read)
+    monkeypatch.setattr(file_uploads, "CHUNK_BYTES", 1 << 16)  # several chunks, pieces across them
+    monkeypatch.setattr(file_uploads, "HOST_READ", host_read)
     shapes = [(3, 5), (), (0, 4), (97, 131)]
     arrays = {f"{dtype.name}{i}": random_values(rng, dtype, shape)
               for dtype, _ in DTYPES for i, shape in enumerate(shapes)}  # fmt: skip
