@@ -38,6 +38,7 @@ from flame.tensor import Tensor, clamp
 
 __all__ = [
     "add_grad_noise_", "clip_grad_norm_", "clip_grad_value_", "grad_stats", "normalize_grads_",
+    "parameters_to_vector", "vector_to_parameters",
 ]  # fmt: skip
 
 
@@ -177,3 +178,64 @@ def grad_stats(parameters) -> dict[str, Tensor]:
         "nan_count": nan_count,
         "inf_count": inf_count,
     }
+
+
+# --- parameters as one vector ----------------------------------------------------------------
+
+
+def _tensor_list(parameters, op: str) -> list[Tensor]:
+    if isinstance(parameters, Tensor):
+        return [parameters]
+    found = list(parameters)
+    for parameter in found:
+        if not isinstance(parameter, Tensor):
+            raise TypeError(
+                f"{op}: expected flame.Tensor parameters, got {type(parameter).__name__}"
+            )
+    backends = {parameter.backend for parameter in found}
+    if len(backends) > 1:
+        raise TypeError(f"{op}: the parameters are on different backends ({sorted(backends)})")
+    return found
+
+
+def parameters_to_vector(parameters) -> Tensor:
+    """All of ``parameters`` flattened and joined into one 1-d tensor, in order
+    (``torch.nn.utils.parameters_to_vector``). Lazy, and differentiable: the gradient of a
+    function of the vector flows back to the parameters."""
+    from flame.joining import cat
+
+    found = _tensor_list(parameters, "parameters_to_vector")
+    if not found:
+        raise ValueError("parameters_to_vector: no parameters given")
+    return cat([parameter.reshape(-1) for parameter in found])
+
+
+def vector_to_parameters(vec: Tensor, parameters) -> None:
+    """Write consecutive slices of the 1-d ``vec`` into ``parameters``, in order
+    (``torch.nn.utils.vector_to_parameters``).
+
+    FLAME writes into each parameter's own memory (``copy_`` under no_grad), so optimizers
+    and compiled functions that hold the parameters see the new values without a retrace.
+    PyTorch instead points each parameter at a slice of ``vec`` (``param.data = ...``); the
+    values are the same, but here a later write to ``vec`` does not change the parameters."""
+    from flame.autograd import no_grad
+
+    if not isinstance(vec, Tensor):
+        raise TypeError(f"vector_to_parameters: expected a flame tensor, got {type(vec).__name__}")
+    if vec.ndim != 1:
+        raise ValueError(f"vector_to_parameters: vec must be 1-d, got shape {list(vec.shape)}")
+    found = _tensor_list(parameters, "vector_to_parameters")
+    total = sum(parameter.numel() for parameter in found)
+    if vec.shape[0] < total:
+        raise ValueError(
+            f"vector_to_parameters: the parameters hold {total} values, vec has {vec.shape[0]}"
+        )
+    pointer = 0
+    with no_grad():
+        for parameter in found:
+            count = parameter.numel()
+            piece = vec[pointer : pointer + count].reshape(parameter.shape)
+            if piece.backend != parameter.backend:
+                piece = piece.to(parameter.device)
+            parameter.copy_(piece)
+            pointer += count

@@ -6,9 +6,9 @@ kernel that walks every parameter of a group. The learning rate and the other pe
 are read by the kernel from a small device buffer, so schedules never recompile.
 """
 
-from flame.optim import lr_scheduler
+from flame.optim import lr_scheduler, swa_utils
 from flame.optim.adam import Adam, AdamW
 from flame.optim.optimizer import Optimizer
 from flame.optim.sgd import SGD
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "lr_scheduler"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "lr_scheduler", "swa_utils"]

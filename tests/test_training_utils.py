@@ -1,0 +1,348 @@
+"""Training utilities: weight averaging (flame.optim.swa_utils), parameters as one vector
+(flame.nn.utils) and LoRA adapters (flame.nn.lora), against PyTorch on the same weights.
+
+CPU tier: the reference backend. gpu tier: the EMA's multi-tensor kernel and LoRA on the GPU
+against the reference backend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flame as fl
+import flame.nn as nn
+from flame.nn import utils
+from flame.nn.convolution import conv2d, linear
+from flame.optim import swa_utils
+from flame.runtime.storage import storage_of
+from flame.tensor import Tensor
+
+# --- small modules of our own (PyTorch's attribute names) ----------------------------------------
+
+
+def _parameter(rng, *shape, scale=1.0):
+    return nn.Parameter(fl.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32)))
+
+
+class Dense(nn.Module):
+    def __init__(self, rng, in_features, out_features):
+        super().__init__()
+        self.weight = _parameter(rng, out_features, in_features, scale=0.5)
+        self.bias = _parameter(rng, out_features)
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class Conv(nn.Module):
+    def __init__(self, rng, in_channels, out_channels, kernel, stride=1, padding=0):
+        super().__init__()
+        self.weight = _parameter(rng, out_channels, in_channels, kernel, kernel, scale=0.3)
+        self.bias = _parameter(rng, out_channels)
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, 1, 1
+
+    def forward(self, x):
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class Net(nn.Module):
+    """Two dense layers and a float and an int buffer (as a batch norm's)."""
+
+    def __init__(self, rng):
+        super().__init__()
+        self.q = Dense(rng, 4, 6)
+        self.v = Dense(rng, 6, 3)
+        self.register_buffer("running_mean", fl.zeros(3))
+        self.register_buffer("num_batches_tracked", fl.tensor(0, dtype=fl.int64))
+
+    def forward(self, x):
+        return self.v(self.q(x).relu()) + self.running_mean
+
+
+def torch_net(torch):
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(4, 6)
+            self.v = torch.nn.Linear(6, 3)
+            self.register_buffer("running_mean", torch.zeros(3))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+        def forward(self, x):
+            return self.v(self.q(x).relu()) + self.running_mean
+
+    return TorchNet()
+
+
+def tensors_of(module, with_buffers=True):
+    named = dict(module.named_parameters())
+    if with_buffers:
+        named.update(module.named_buffers())
+    return named
+
+
+def set_both(step, rng, flame_model, torch_model):
+    """Give both models the same new weights (the sequence an optimizer would produce)."""
+    import torch
+
+    theirs = tensors_of(torch_model)
+    for name, mine in tensors_of(flame_model).items():
+        if mine.dtype.is_float:
+            value = rng.standard_normal(mine.shape).astype(np.float32)
+        else:
+            value = np.array(7 + 13 * step, dtype=np.int64)  # averages away from integers
+        with fl.no_grad():
+            mine.copy_(fl.from_numpy(value))
+        with torch.no_grad():
+            theirs[name].copy_(torch.from_numpy(value))
+
+
+def assert_same_average(averaged, torch_averaged, rtol=1e-6):
+    theirs = {k: v for k, v in torch_averaged.state_dict().items()}
+    mine = averaged.state_dict()
+    assert list(mine) == list(theirs)
+    for key, value in mine.items():
+        np.testing.assert_allclose(value.numpy(), theirs[key].numpy(), rtol=rtol, atol=1e-7,
+                                   err_msg=key)  # fmt: skip
+
+
+# --- swa_utils: AveragedModel against PyTorch's ------------------------------------------------
+
+
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_ema_matches_torch(reference_backend, use_buffers):
+    torch = pytest.importorskip("torch")
+    from torch.optim import swa_utils as torch_swa
+
+    rng = np.random.default_rng(0)
+    model, torch_model = Net(rng), torch_net(torch)
+    set_both(0, rng, model, torch_model)
+    ema = swa_utils.AveragedModel(
+        model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=use_buffers
+    )
+    torch_ema = torch_swa.AveragedModel(
+        torch_model, multi_avg_fn=torch_swa.get_ema_multi_avg_fn(0.9), use_buffers=use_buffers
+    )
+    for step in range(1, 6):
+        set_both(step, rng, model, torch_model)
+        ema.update_parameters(model)
+        torch_ema.update_parameters(torch_model)
+        assert_same_average(ema, torch_ema)
+    assert ema.n_averaged.item() == 5
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = torch_ema(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ema(fl.from_numpy(x)).numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema_avg_fn", "swa_avg_fn"])
+def test_other_averages_match_torch(reference_backend, kind):
+    torch = pytest.importorskip("torch")
+    from torch.optim import swa_utils as torch_swa
+
+    def arguments(module):
+        if kind == "ema_avg_fn":
+            return {"avg_fn": module.get_ema_avg_fn(0.8)}
+        if kind == "swa_avg_fn":
+            return {"avg_fn": module.get_swa_avg_fn()}
+        return {}
+
+    rng = np.random.default_rng(1)
+    model, torch_model = Net(rng), torch_net(torch)
+    set_both(0, rng, model, torch_model)
+    averaged = swa_utils.AveragedModel(model, **arguments(swa_utils))
+    torch_averaged = torch_swa.AveragedModel(torch_model, **arguments(torch_swa))
+    for step in range(1, 5):
+        set_both(step, rng, model, torch_model)
+        averaged.update_parameters(model)
+        torch_averaged.update_parameters(torch_model)
+        assert_same_average(averaged, torch_averaged, rtol=2e-6)
+
+
+def test_averaged_model_is_a_copy(reference_backend):
+    rng = np.random.default_rng(2)
+    model = Net(rng)
+    averaged = swa_utils.AveragedModel(model)
+    for (name, mine), theirs in zip(
+        tensors_of(averaged.module).items(), tensors_of(model).values()
+    ):
+        assert mine is not theirs
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=name)
+    assert averaged.module.q.weight.requires_grad
+    with fl.no_grad():
+        model.q.weight.mul_(2.0)
+    assert not np.allclose(averaged.module.q.weight.numpy(), model.q.weight.numpy())
+    assert list(averaged.state_dict())[0] == "n_averaged"
+    assert averaged.n_averaged.dtype == fl.int64 and averaged.n_averaged.shape == ()
+
+
+def test_ema_state_dict_round_trip(reference_backend):
+    """A restored AveragedModel reads n_averaged once and averages (does not copy again)."""
+    rng = np.random.default_rng(3)
+    model = Net(rng)
+    fn = swa_utils.get_ema_multi_avg_fn(0.5)
+    ema = swa_utils.AveragedModel(model, multi_avg_fn=fn)
+    ema.update_parameters(model)
+    ema.update_parameters(model)
+    restored = swa_utils.AveragedModel(Net(rng), multi_avg_fn=fn)
+    restored.load_state_dict(ema.state_dict())
+    assert restored.n_averaged.item() == 2
+    before = restored.module.q.weight.numpy().copy()
+    restored.update_parameters(model)
+    expected = 0.5 * before + 0.5 * model.q.weight.numpy()
+    np.testing.assert_allclose(restored.module.q.weight.numpy(), expected, rtol=1e-6)
+    assert restored.n_averaged.item() == 3
+
+
+def test_averaged_model_refuses_mismatched_models(reference_backend):
+    rng = np.random.default_rng(4)
+    averaged = swa_utils.AveragedModel(Net(rng))
+    with pytest.raises(ValueError, match="tensors to average"):
+        averaged.update_parameters(Dense(rng, 4, 6))
+    with pytest.raises(AssertionError):
+        swa_utils.AveragedModel(Net(rng), avg_fn=swa_utils.get_swa_avg_fn(),
+                                multi_avg_fn=swa_utils.get_swa_multi_avg_fn())  # fmt: skip
+    with pytest.raises(ValueError, match="decay"):
+        swa_utils.get_ema_multi_avg_fn(1.5)
+
+
+def test_ema_of_half_and_double_tensors(reference_backend):
+    """float16 lerps in float32 and rounds once; float64 keeps float64 (as torch's lerp)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    fn = swa_utils.get_ema_multi_avg_fn(0.75)
+    for np_dtype, torch_dtype in ((np.float16, torch.float16), (np.float64, torch.float64)):
+        start = rng.standard_normal(300).astype(np_dtype)
+        current = rng.standard_normal(300).astype(np_dtype)
+        mine = fl.from_numpy(start.copy()).realize()
+        fn([mine], [fl.from_numpy(current)], None)
+        theirs = torch.from_numpy(start.copy())
+        torch._foreach_lerp_([theirs], [torch.from_numpy(current)], 0.25)
+        assert theirs.dtype == torch_dtype
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+# --- swa_utils: one multi-tensor kernel, no host read ------------------------------------------
+
+
+class _Counting:
+    def __init__(self, monkeypatch):
+        import importlib
+
+        # the module (flame.foreach the attribute is the function of that name)
+        foreach_module = importlib.import_module("flame.foreach")
+        self.calls = []
+        original = foreach_module.foreach
+
+        def counting(rule, *lists, **kwargs):
+            self.calls.append((rule.__name__, len(lists[0])))
+            return original(rule, *lists, **kwargs)
+
+        monkeypatch.setattr(foreach_module, "foreach", counting)
+
+
+def _refuse_host_reads(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a host read of a device value during the update")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(Tensor, name, refuse)
+
+
+class Many(nn.Module):
+    def __init__(self, rng, count):
+        super().__init__()
+        self.layers = nn.ModuleList([Dense(rng, 3, 3) for _ in range(count)])
+
+
+def test_ema_update_is_one_foreach_and_reads_nothing_back(reference_backend, monkeypatch):
+    """Lazy mode: an EMA update of 60 tensors is one flame.foreach call (one multi-tensor
+    kernel on the GPU) and reads no value back to the host."""
+    rng = np.random.default_rng(6)
+    model = Many(rng, 30)
+    ema = swa_utils.AveragedModel(model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    ema.update_parameters(model)  # the first: a copy (also one foreach)
+    counting = _Counting(monkeypatch)
+    _refuse_host_reads(monkeypatch)
+    ema.update_parameters(model)
+    ema.update_parameters(model)
+    assert counting.calls == [("lerp_rule", 60), ("lerp_rule", 60)]
+    monkeypatch.undo()
+    assert ema.n_averaged.item() == 3
+
+
+def test_ema_groups_by_dtype(reference_backend, monkeypatch):
+    rng = np.random.default_rng(7)
+    model = Net(rng)
+    ema = swa_utils.AveragedModel(
+        model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True
+    )
+    ema.update_parameters(model)
+    counting = _Counting(monkeypatch)
+    ema.update_parameters(model)
+    assert sorted(counting.calls) == [("lerp_rule", 5), ("mix_rule", 1)]
+
+
+# --- parameters_to_vector / vector_to_parameters -----------------------------------------------
+
+
+def test_parameters_vector_round_trip(reference_backend):
+    rng = np.random.default_rng(8)
+    model = Net(rng)
+    params = list(model.parameters())
+    vector = utils.parameters_to_vector(params)
+    expected = np.concatenate([p.numpy().reshape(-1) for p in params])
+    assert vector.shape == (expected.size,)
+    np.testing.assert_array_equal(vector.numpy(), expected)
+    new = rng.standard_normal(expected.size).astype(np.float32)
+    memory = [storage_of(p.node) for p in params]
+    step = fl.compile(lambda x: model(x))
+    x = fl.from_numpy(rng.standard_normal((2, 4)).astype(np.float32))
+    step(x)
+    utils.vector_to_parameters(fl.from_numpy(new), params)
+    np.testing.assert_array_equal(utils.parameters_to_vector(params).numpy(), new)
+    assert all(storage_of(p.node) is found for p, found in zip(params, memory))
+    assert all(p.requires_grad for p in params)
+    # written in place: a compiled function that closes over them sees the new values
+    np.testing.assert_allclose(step(x).numpy(), model(x).numpy(), rtol=1e-6)
+    assert step.cache_info().traces == 1
+
+
+def test_parameters_vector_matches_torch(reference_backend):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in ((3, 4), (5,), (2, 1, 3))]
+    mine = [nn.Parameter(fl.from_numpy(a)) for a in arrays]
+    theirs = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in arrays]
+    np.testing.assert_array_equal(
+        utils.parameters_to_vector(mine).numpy(),
+        torch.nn.utils.parameters_to_vector(theirs).detach().numpy(),
+    )
+    new = rng.standard_normal(23).astype(np.float32)
+    utils.vector_to_parameters(fl.from_numpy(new), mine)
+    torch.nn.utils.vector_to_parameters(torch.from_numpy(new), theirs)
+    for m, t in zip(mine, theirs):
+        np.testing.assert_array_equal(m.numpy(), t.detach().numpy())
+    single = utils.parameters_to_vector(mine[0])  # one tensor is a list of one
+    assert single.shape == (12,)
+
+
+def test_vector_to_parameters_errors(reference_backend):
+    params = [nn.Parameter(fl.ones(3)), nn.Parameter(fl.ones(2))]
+    with pytest.raises(TypeError, match="flame tensor"):
+        utils.vector_to_parameters(np.ones(5, np.float32), params)
+    with pytest.raises(ValueError, match="5 values"):
+        utils.vector_to_parameters(fl.ones(4), params)
+    with pytest.raises(ValueError, match="1-d"):
+        utils.vector_to_parameters(fl.ones(5, 1), params)
+    np.testing.assert_array_equal(params[0].numpy(), np.ones(3))  # nothing was written
+
+
+def test_parameters_to_vector_keeps_gradients(reference_backend):
+    """As PyTorch's: the vector is a differentiable function of the parameters."""
+    params = [nn.Parameter(fl.ones(3)), nn.Parameter(fl.ones(2, 2))]
+    vector = utils.parameters_to_vector(params)
+    (vector * fl.arange(7).float()).sum().backward()
+    np.testing.assert_array_equal(params[0].grad.numpy(), [0, 1, 2])
+    np.testing.assert_array_equal(params[1].grad.numpy(), [[3, 4], [5, 6]])
