@@ -26,7 +26,9 @@ from flame.nn.modules.linear import Linear, empty_parameter
 from flame.nn.modules.module import Module
 from flame.tensor import Tensor
 
-__all__ = ["MultiheadAttention", "NonDynamicallyQuantizableLinear", "multi_head_attention_forward"]
+# (NonDynamicallyQuantizableLinear and the functional form are not flame.nn names, as in
+# PyTorch: the module's out_proj class, and F.multi_head_attention_forward)
+__all__ = ["MultiheadAttention"]
 
 
 class NonDynamicallyQuantizableLinear(Linear):

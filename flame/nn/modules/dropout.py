@@ -15,7 +15,8 @@ from flame.nn import functional as F
 from flame.nn.modules.module import Module
 from flame.tensor import Tensor
 
-__all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "dropout1d", "dropout2d", "dropout3d"]
+# (dropout1d/2d/3d are functional: flame.nn.functional's names, not flame.nn's)
+__all__ = ["Dropout", "Dropout1d", "Dropout2d", "Dropout3d"]
 
 
 def _check_probability(p: float) -> None:
@@ -49,6 +50,8 @@ def _channel_dropout(name, input, p, training, inplace, spatial: int, generator=
             "dimension, and an optional batch dimension "
             f"(i.e. {spatial + 1}D or {spatial + 2}D inputs)."
         )
+    if not training or p == 0.0:
+        return input
     if input.ndim == spatial + 1:  # unbatched: one sample
         batched = input.unsqueeze(0)
         result = _feature_dropout(batched, p, training, False, generator).squeeze(0)
