@@ -12,7 +12,7 @@ import pytest
 
 import flame as fl
 import flame.nn as nn
-from flame.nn import utils
+from flame.nn import lora, utils
 from flame.nn.convolution import conv2d, linear
 from flame.optim import swa_utils
 from flame.runtime.storage import storage_of
@@ -346,3 +346,239 @@ def test_parameters_to_vector_keeps_gradients(reference_backend):
     (vector * fl.arange(7).float()).sum().backward()
     np.testing.assert_array_equal(params[0].grad.numpy(), [0, 1, 2])
     np.testing.assert_array_equal(params[1].grad.numpy(), [[3, 4], [5, 6]])
+
+
+# --- LoRA --------------------------------------------------------------------------------------
+
+
+def lora_net(rng, rank=2, alpha=4.0):
+    """Net with LoRA on both dense layers and random (not zero) B, so every path matters."""
+    model = lora.inject_lora(Net(rng), ["q", "v"], rank=rank, alpha=alpha)
+    for layer in (model.q, model.v):
+        with fl.no_grad():
+            layer.lora_B.copy_(fl.from_numpy(rng.standard_normal(layer.lora_B.shape) * 0.5))
+    return model
+
+
+def torch_lora_forward(torch, values, x, scale):
+    """The same network in PyTorch, from a {name: array} of the FLAME model's state."""
+    t = {
+        key: torch.from_numpy(value.copy()).requires_grad_(value.dtype == np.float32)
+        for key, value in values.items()
+    }  # fmt: skip
+
+    def dense(h, name):
+        base = h @ t[f"{name}.base.weight"].T + t[f"{name}.base.bias"]
+        return base + scale * ((h @ t[f"{name}.lora_A"].T) @ t[f"{name}.lora_B"].T)
+
+    y = dense(dense(torch.from_numpy(x), "q").relu(), "v") + t["running_mean"]
+    return y, t
+
+
+def state_arrays(model):
+    return {key: value.numpy().copy() for key, value in model.state_dict().items()}
+
+
+def test_lora_freezes_the_base_and_names_its_weights(reference_backend):
+    rng = np.random.default_rng(10)
+    model = lora.inject_lora(Net(rng), ["q", "v"], rank=3, alpha=6)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable == ["q.lora_A", "q.lora_B", "v.lora_A", "v.lora_B"]
+    assert set(model.state_dict()) == {
+        "running_mean", "num_batches_tracked", "q.lora_A", "q.lora_B", "q.base.weight",
+        "q.base.bias", "v.lora_A", "v.lora_B", "v.base.weight", "v.base.bias",
+    }  # fmt: skip
+    assert list(lora.lora_state_dict(model)) == ["q.lora_A", "q.lora_B", "v.lora_A", "v.lora_B"]
+    assert model.q.scaling == 2.0 and model.q.lora_A.shape == (3, 4)
+    assert model.q.lora_B.shape == (6, 3) and not model.q.lora_B.numpy().any()
+    bound = 1 / np.sqrt(4)  # kaiming_uniform(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert np.abs(model.q.lora_A.numpy()).max() <= bound and model.q.lora_A.numpy().std() > 0
+    assert "rank=3, alpha=6, scaling=2.0" in repr(model)
+
+
+def test_new_adapter_leaves_the_output_unchanged(reference_backend):
+    rng = np.random.default_rng(11)
+    plain = Net(rng)
+    x = fl.from_numpy(rng.standard_normal((5, 4)).astype(np.float32))
+    before = plain(x).numpy()
+    model = lora.inject_lora(plain, ["q", "v"], rank=2)
+    np.testing.assert_array_equal(model(x).numpy(), before)
+
+
+def test_lora_linear_gradients_match_torch(reference_backend):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    model = lora_net(rng)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = model(fl.from_numpy(x))
+    (y * y).sum().backward()
+    expected, t = torch_lora_forward(torch, state_arrays(model), x, model.q.scaling)
+    (expected * expected).sum().backward()
+    np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        if "lora" in name:
+            np.testing.assert_allclose(param.grad.numpy(), t[name].grad.numpy(), rtol=1e-4,
+                                       atol=1e-5, err_msg=name)  # fmt: skip
+        else:
+            assert param.grad is None, name
+
+
+def test_lora_conv2d_matches_torch(reference_backend):
+    torch = pytest.importorskip("torch")
+    functional = torch.nn.functional
+    rng = np.random.default_rng(13)
+    base = Conv(rng, 3, 5, 3, stride=2, padding=1)
+    layer = lora.LoRAConv2d(base, rank=2, alpha=3)
+    assert layer.lora_A.shape == (2, 3, 3, 3) and layer.lora_B.shape == (5, 2, 1, 1)
+    with fl.no_grad():
+        layer.lora_B.copy_(fl.from_numpy(rng.standard_normal((5, 2, 1, 1)) * 0.5))
+    x = rng.standard_normal((2, 3, 7, 7)).astype(np.float32)
+    y = layer(fl.from_numpy(x))
+    (y * y).sum().backward()
+    t = {k: torch.from_numpy(v.copy()).requires_grad_() for k, v in state_arrays(layer).items()}
+    inputs = torch.from_numpy(x)
+    down = functional.conv2d(inputs, t["lora_A"], stride=2, padding=1)
+    expected = functional.conv2d(inputs, t["base.weight"], t["base.bias"], stride=2, padding=1)
+    expected = expected + layer.scaling * functional.conv2d(down, t["lora_B"])
+    (expected * expected).sum().backward()
+    np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert base.weight.grad is None and base.bias.grad is None
+    for name in ("lora_A", "lora_B"):
+        np.testing.assert_allclose(getattr(layer, name).grad.numpy(), t[name].grad.numpy(),
+                                   rtol=1e-4, atol=1e-4, err_msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_merge_and_unmerge(reference_backend, kind):
+    rng = np.random.default_rng(14)
+    if kind == "linear":
+        layer = lora.LoRALinear(Dense(rng, 6, 4), rank=3, alpha=5)
+        x = fl.from_numpy(rng.standard_normal((3, 6)).astype(np.float32))
+    else:
+        layer = lora.LoRAConv2d(Conv(rng, 3, 4, 3, padding=1), rank=3, alpha=5)
+        x = fl.from_numpy(rng.standard_normal((2, 3, 5, 5)).astype(np.float32))
+    with fl.no_grad():
+        layer.lora_B.copy_(fl.from_numpy(rng.standard_normal(layer.lora_B.shape)))
+    original = layer.base.weight.numpy().copy()
+    unmerged = layer(x).numpy()
+    a = layer.lora_A.numpy().reshape(3, -1)
+    b = layer.lora_B.numpy().reshape(-1, 3)
+    layer.merge()
+    assert layer.merged
+    expected_weight = original + layer.scaling * (b @ a).reshape(original.shape)
+    np.testing.assert_allclose(layer.base.weight.numpy(), expected_weight, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(layer(x).numpy(), unmerged, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="already merged"):
+        layer.merge()
+    layer.unmerge()
+    assert not layer.merged
+    np.testing.assert_allclose(layer.base.weight.numpy(), original, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(layer(x).numpy(), unmerged, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="not merged"):
+        layer.unmerge()
+
+
+def test_adapter_swap_never_retraces(reference_backend):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(15)
+    model = lora_net(rng)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    step = fl.compile(lambda inputs: model(inputs))
+    first = step(fl.from_numpy(x)).numpy()
+    first_adapter = {k: v.numpy().copy() for k, v in lora.lora_state_dict(model).items()}
+    adapter = {
+        key: rng.standard_normal(value.shape).astype(np.float32)
+        for key, value in lora.lora_state_dict(model).items()
+    }  # fmt: skip
+    result = lora.load_lora_state_dict(model, {k: fl.from_numpy(v) for k, v in adapter.items()})
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    second = step(fl.from_numpy(x)).numpy()
+    assert step.cache_info().traces == 1
+    assert not np.allclose(first, second)
+    values = state_arrays(model)
+    for key, value in adapter.items():
+        np.testing.assert_array_equal(values[key], value)
+    expected, _ = torch_lora_forward(torch, values, x, model.q.scaling)
+    np.testing.assert_allclose(second, expected.detach().numpy(), rtol=1e-5, atol=1e-5)
+    lora.load_lora_state_dict(model, first_adapter)  # and back, still one trace
+    np.testing.assert_allclose(step(fl.from_numpy(x)).numpy(), first, rtol=1e-6, atol=1e-6)
+    assert step.cache_info().traces == 1
+
+
+def test_adapter_swap_round_trip_and_merged_layers(reference_backend):
+    rng = np.random.default_rng(16)
+    model = lora_net(rng)
+    x = fl.from_numpy(rng.standard_normal((5, 4)).astype(np.float32))
+    first_adapter = {k: v.numpy().copy() for k, v in lora.lora_state_dict(model).items()}
+    first = model(x).numpy()
+    second_adapter = {k: v * 0.5 for k, v in first_adapter.items()}
+    model.q.merge()  # a merged layer is unmerged, written and merged again
+    lora.load_lora_state_dict(model, second_adapter)  # arrays are accepted
+    assert model.q.merged
+    second = model(x).numpy()
+    lora.load_lora_state_dict(model, first_adapter)
+    np.testing.assert_allclose(model(x).numpy(), first, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(first, second)
+
+
+def test_load_lora_state_dict_checks_before_writing(reference_backend):
+    rng = np.random.default_rng(17)
+    model = lora_net(rng)
+    before = {k: v.numpy().copy() for k, v in lora.lora_state_dict(model).items()}
+    bad = {k: np.zeros(v.shape, np.float32) for k, v in before.items()}
+    bad["v.lora_B"] = np.zeros((3, 5), np.float32)  # another rank
+    with pytest.raises(RuntimeError, match="v.lora_B has shape"):
+        lora.load_lora_state_dict(model, bad)
+    with pytest.raises(RuntimeError, match="missing keys"):
+        lora.load_lora_state_dict(model, {"q.lora_A": before["q.lora_A"]})
+    for key, value in lora.lora_state_dict(model).items():
+        np.testing.assert_array_equal(value.numpy(), before[key])
+    partial = lora.load_lora_state_dict(model, {"q.lora_A": before["q.lora_A"]}, strict=False)
+    assert partial.missing_keys == ["q.lora_B", "v.lora_A", "v.lora_B"]
+
+
+def test_inject_lora_targets(reference_backend):
+    rng = np.random.default_rng(18)
+    by_regex = lora.inject_lora(Net(rng), r"q", rank=2)
+    assert isinstance(by_regex.q, lora.LoRALinear) and not isinstance(by_regex.v, lora.LoRALinear)
+    by_predicate = lora.inject_lora(Net(rng), lambda name, module: name == "v", rank=2)
+    assert isinstance(by_predicate.v, lora.LoRALinear)
+    assert by_predicate.q.weight.requires_grad is False  # everything else is frozen
+    again = lora.inject_lora(by_predicate, ["q", "v"], rank=2)  # v is wrapped already
+    assert isinstance(again.v.base, Dense) and isinstance(again.q, lora.LoRALinear)
+    with pytest.raises(ValueError, match="no module"):
+        lora.inject_lora(Net(rng), ["k_proj"])
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(fl.ones(3))
+
+    with pytest.raises(TypeError, match="neither a linear layer"):
+        lora.inject_lora(Odd(), ["norm"])
+    with pytest.raises(ValueError, match="rank"):
+        lora.LoRALinear(Dense(rng, 2, 2), rank=0)
+
+
+def test_merge_and_unload(reference_backend):
+    rng = np.random.default_rng(19)
+    model = lora_net(rng)
+    x = fl.from_numpy(rng.standard_normal((5, 4)).astype(np.float32))
+    expected = model(x).numpy()
+    lora.merge_and_unload(model)
+    assert isinstance(model.q, Dense) and isinstance(model.v, Dense)
+    np.testing.assert_allclose(model(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_dropout_only_in_training(reference_backend):
+    rng = np.random.default_rng(20)
+    model = lora.inject_lora(Net(rng), ["q"], rank=2, dropout=0.5)
+    with fl.no_grad():
+        model.q.lora_B.copy_(fl.ones(6, 2))
+    x = fl.from_numpy(rng.standard_normal((8, 4)).astype(np.float32))
+    model.eval()
+    first, second = model(x).numpy(), model(x).numpy()
+    np.testing.assert_array_equal(first, second)
+    model.train()
+    assert not np.allclose(model(x).numpy(), first)
