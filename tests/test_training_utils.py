@@ -582,3 +582,243 @@ def test_lora_dropout_only_in_training(reference_backend):
     np.testing.assert_array_equal(first, second)
     model.train()
     assert not np.allclose(model(x).numpy(), first)
+
+
+# --- with FLAME's own layers (Linear, Conv2d, BatchNorm2d) ----------------------------------------
+
+
+def _layers():
+    try:
+        from flame.nn.modules.batchnorm import BatchNorm2d
+        from flame.nn.modules.conv import Conv2d
+        from flame.nn.modules.linear import Linear
+    except ImportError:  # pragma: no cover (the layers land separately)
+        pytest.skip("flame.nn's Linear/Conv2d/BatchNorm2d are not there yet")
+    return Linear, Conv2d, BatchNorm2d
+
+
+def conv_bn_pair(torch):
+    """The same conv + batch-norm net in FLAME and PyTorch, with PyTorch's weights."""
+    _, Conv2d, BatchNorm2d = _layers()
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4))
+    mine = nn.Sequential(Conv2d(3, 4, 3, padding=1), BatchNorm2d(4))
+    mine.load_state_dict({k: v.numpy() for k, v in theirs.state_dict().items()})
+    return mine, theirs
+
+
+def test_ema_of_conv_batch_norm_matches_torch(reference_backend):
+    """use_buffers=True averages the running statistics and num_batches_tracked too."""
+    torch = pytest.importorskip("torch")
+    from torch.optim import swa_utils as torch_swa
+
+    rng = np.random.default_rng(21)
+    mine, theirs = conv_bn_pair(torch)
+    ema = swa_utils.AveragedModel(
+        mine, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True
+    )
+    torch_ema = torch_swa.AveragedModel(
+        theirs, multi_avg_fn=torch_swa.get_ema_multi_avg_fn(0.9), use_buffers=True
+    )
+    for _ in range(4):
+        x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+        mine(fl.from_numpy(x)).realize()  # training mode: the running statistics move
+        with torch.no_grad():
+            theirs(torch.from_numpy(x))
+        with fl.no_grad():
+            for param in mine.parameters():
+                param.mul_(0.9)
+        with torch.no_grad():
+            for param in theirs.parameters():
+                param.mul_(0.9)
+        ema.update_parameters(mine)
+        torch_ema.update_parameters(theirs)
+        assert_same_average(ema, torch_ema, rtol=1e-5)
+
+
+def test_update_bn_matches_torch(reference_backend):
+    torch = pytest.importorskip("torch")
+    from torch.optim import swa_utils as torch_swa
+
+    rng = np.random.default_rng(22)
+    mine, theirs = conv_bn_pair(torch)
+    batches = [rng.standard_normal((2, 3, 5, 5)).astype(np.float32) for _ in range(3)]
+    mine.eval()
+    theirs.eval()
+    swa_utils.update_bn([(fl.from_numpy(b), 0) for b in batches], mine)
+    torch_swa.update_bn([(torch.from_numpy(b), 0) for b in batches], theirs)
+    assert not mine.training and mine[1].momentum == 0.1
+    for key, value in mine.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), theirs.state_dict()[key].numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=key)  # fmt: skip
+
+
+def test_lora_on_flame_layers_matches_torch(reference_backend):
+    """inject_lora on nn.Linear / nn.Conv2d; PEFT-style torch reference built by hand."""
+    torch = pytest.importorskip("torch")
+    functional = torch.nn.functional
+    Linear, Conv2d, _ = _layers()
+    rng = np.random.default_rng(23)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = Conv2d(2, 3, 3, stride=2, padding=1)
+            self.head = Linear(27, 4)
+
+        def forward(self, x):
+            return self.head(self.conv(x).relu().reshape(x.shape[0], -1))
+
+    model = lora.inject_lora(Model(), ["conv", "head"], rank=2, alpha=2)
+    assert isinstance(model.conv, lora.LoRAConv2d) and isinstance(model.head, lora.LoRALinear)
+    for layer in (model.conv, model.head):
+        with fl.no_grad():
+            layer.lora_B.copy_(fl.from_numpy(rng.standard_normal(layer.lora_B.shape) * 0.3))
+    x = rng.standard_normal((2, 2, 5, 5)).astype(np.float32)
+    y = model(fl.from_numpy(x))
+    (y * y).sum().backward()
+    t = {k: torch.from_numpy(v.copy()).requires_grad_() for k, v in state_arrays(model).items()}
+    h = torch.from_numpy(x)
+    conv = functional.conv2d(h, t["conv.base.weight"], t["conv.base.bias"], stride=2, padding=1)
+    down = functional.conv2d(h, t["conv.lora_A"], stride=2, padding=1)
+    h = (conv + functional.conv2d(down, t["conv.lora_B"])).relu().reshape(2, -1)
+    expected = functional.linear(h, t["head.base.weight"], t["head.base.bias"])
+    expected = expected + functional.linear(functional.linear(h, t["head.lora_A"]),
+                                            t["head.lora_B"])  # fmt: skip
+    (expected * expected).sum().backward()
+    np.testing.assert_allclose(y.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        if "lora" in name:
+            np.testing.assert_allclose(param.grad.numpy(), t[name].grad.numpy(), rtol=1e-4,
+                                       atol=1e-4, err_msg=name)  # fmt: skip
+        else:
+            assert param.grad is None, name
+
+
+# --- gpu tier: the multi-tensor kernel and LoRA on the GPU vs the reference backend --------------
+
+
+def _count_gpu_launches(monkeypatch):
+    """Multi-tensor kernel launches, and the launches of every other plan run."""
+    from flame.runtime import events
+    from flame.runtime.multi_tensor import MultiTensorKernel
+
+    counts = {"multi_tensor": 0, "plans": 0}
+    original = MultiTensorKernel.launch
+
+    def launch(self, *args, **kwargs):
+        counts["multi_tensor"] += 1
+        return original(self, *args, **kwargs)
+
+    def recorder(kind, data):
+        if kind == "run":
+            counts["plans"] += len(data["plan"].launches)
+
+    monkeypatch.setattr(MultiTensorKernel, "launch", launch)
+    return counts, events.recording(recorder)
+
+
+def _ema_run(backend_name, rng_seed, steps=3):
+    """Values of an EMA (use_buffers: a float and an int64 group) after ``steps`` updates."""
+    with fl.backend(backend_name):
+        rng = np.random.default_rng(rng_seed)
+        model = Net(rng)
+        ema = swa_utils.AveragedModel(
+            model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True
+        )
+        for step in range(steps):
+            for tensor in tensors_of(model).values():
+                value = (
+                    rng.standard_normal(tensor.shape).astype(np.float32)
+                    if tensor.dtype.is_float
+                    else np.array(7 + 13 * step, dtype=np.int64)
+                )
+                with fl.no_grad():
+                    tensor.copy_(fl.from_numpy(value))
+            ema.update_parameters(model)
+        return ema, model, {k: v.numpy() for k, v in ema.state_dict().items()}
+
+
+@pytest.mark.gpu
+def test_ema_on_gpu_is_one_multi_tensor_kernel_per_dtype(monkeypatch):
+    _, _, expected = _ema_run("reference", 24)
+    ema, model, found = _ema_run("cuda", 24)
+    for key, value in expected.items():
+        np.testing.assert_allclose(found[key], value, rtol=1e-6, atol=1e-7, err_msg=key)
+    counts, recording = _count_gpu_launches(monkeypatch)
+    _refuse_host_reads(monkeypatch)
+    with fl.backend("cuda"), recording:
+        ema.update_parameters(model)  # float32 and int64: two kernels, plus n_averaged += 1
+    assert counts["multi_tensor"] == 2
+    assert counts["plans"] <= 1
+
+
+@pytest.mark.gpu
+def test_ema_of_300_tensors_on_gpu_is_one_launch(monkeypatch):
+    with fl.backend("cuda"):
+        rng = np.random.default_rng(25)
+        model = Many(rng, 150)
+        ema = swa_utils.AveragedModel(model, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.5))
+        ema.update_parameters(model)
+        start = ema.module.layers[7].weight.numpy().copy()
+        with fl.no_grad():
+            for param in model.parameters():
+                param.mul_(3.0)
+        counts, recording = _count_gpu_launches(monkeypatch)
+        with recording:
+            ema.update_parameters(model)
+        assert counts["multi_tensor"] == 1
+        np.testing.assert_allclose(ema.module.layers[7].weight.numpy(), 2.0 * start, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_swa_on_gpu_matches_reference():
+    results = []
+    for backend_name in ("reference", "cuda"):
+        with fl.backend(backend_name):
+            rng = np.random.default_rng(26)
+            model = Net(rng)
+            swa = swa_utils.AveragedModel(model)
+            for _ in range(4):
+                with fl.no_grad():
+                    for param in model.parameters():
+                        param.add_(
+                            fl.from_numpy(
+                                rng.standard_normal(param.shape),
+                            ).float()
+                        )
+                swa.update_parameters(model)
+            results.append({k: v.numpy() for k, v in swa.state_dict().items()})
+    for key, value in results[0].items():
+        np.testing.assert_allclose(results[1][key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def _lora_run(backend_name):
+    with fl.backend(backend_name):
+        rng = np.random.default_rng(27)
+        model = lora_net(rng)
+        x = fl.from_numpy(rng.standard_normal((5, 4)).astype(np.float32))
+        y = model(x)
+        (y * y).sum().backward()
+        output = y.numpy()
+        grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+        step = fl.compile(lambda inputs: model(inputs))
+        step(x)
+        adapter = {k: v.numpy() * 0.5 for k, v in lora.lora_state_dict(model).items()}
+        lora.load_lora_state_dict(model, adapter)
+        swapped = step(x).numpy()
+        assert step.cache_info().traces == 1
+        model.q.merge()
+        merged = model(x).numpy()
+        return output, grads, swapped, merged
+
+
+@pytest.mark.gpu
+def test_lora_on_gpu_matches_reference():
+    expected = _lora_run("reference")
+    found = _lora_run("cuda")
+    np.testing.assert_allclose(found[0], expected[0], rtol=1e-4, atol=1e-4)
+    assert set(found[1]) == set(expected[1]) == {"q.lora_A", "q.lora_B", "v.lora_A", "v.lora_B"}
+    for name, grad in expected[1].items():
+        np.testing.assert_allclose(found[1][name], grad, rtol=1e-4, atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(found[2], expected[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(found[3], expected[3], rtol=1e-4, atol=1e-4)
