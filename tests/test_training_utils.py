@@ -284,6 +284,38 @@ def test_ema_groups_by_dtype(reference_backend, monkeypatch):
     assert sorted(counting.calls) == [("lerp_rule", 5), ("mix_rule", 1)]
 
 
+AVERAGING_RULES = [
+    (swa_utils.lerp_rule, fl.float32, fl.float32),
+    (swa_utils.lerp_rule, fl.bfloat16, fl.float32),
+    (swa_utils.lerp_rule, fl.float16, fl.float32),
+    (swa_utils.lerp_rule, fl.float64, fl.float64),
+    (swa_utils.mix_rule, fl.int64, fl.float32),
+    (swa_utils.copy_rule, fl.int64, fl.float32),
+    (swa_utils.copy_rule, fl.bool, fl.float32),
+]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize(
+    "rule,dtype,values_dtype", AVERAGING_RULES, ids=lambda v: getattr(v, "__name__", str(v))
+)
+def test_averaging_rules_are_one_multi_tensor_kernel(rule, dtype, values_dtype, wide, nvrtc):
+    """Each rule fuses into one elementwise group that stores the list's own dtype, and its
+    multi-tensor kernel compiles (no GPU needed)."""
+    from flame.codegen.multi_tensor import lower_multi_tensor
+    from flame.codegen.render import render
+    from flame.foreach import _trace
+    from flame.runtime.compiler import nvrtc_compile
+
+    with fl.backend("cuda"):
+        values = fl.zeros(4, dtype=values_dtype)
+    traced = _trace(rule, (dtype, dtype), values, (0,))
+    varying = {id(node) for node in traced.placeholders}
+    low = lower_multi_tensor(traced.group, varying, not wide, wide)
+    assert [output.dtype for output in low.lowered.outputs] == [dtype]
+    assert len(nvrtc_compile(render(low.spec), low.spec.name, "sm_90")) > 0
+
+
 # --- parameters_to_vector / vector_to_parameters -----------------------------------------------
 
 
