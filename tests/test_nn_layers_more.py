@@ -569,3 +569,21 @@ def test_multihead_attention_is_causal_hint_as_pytorchs(need_weights, reference_
         torch, ours, theirs, [x, x, x], rng, need_weights=need_weights, is_causal=True,
         masks={"key_padding_mask": None, "attn_mask": loose},
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_fully_masked_rows_as_pytorchs(need_weights, reference_backend, rng,
+                                                           tmp_path):  # fmt: skip
+    """A sample whose every key is padded: NaN with explicit weights, the fused path's safe
+    softmax (zeros, then out_proj's bias) without, as PyTorch's."""
+    torch = pytest.importorskip("torch")
+    ours, theirs = _mha_pair(torch, tmp_path, 8, 2)
+    x = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    padding = np.zeros((2, 4), dtype=bool)
+    padding[1] = True
+    out_f, _ = ours(*[fl.tensor(x)] * 3, key_padding_mask=fl.tensor(padding),
+                    need_weights=need_weights)  # fmt: skip
+    out_t, _ = theirs(*[torch.from_numpy(x)] * 3, key_padding_mask=torch.from_numpy(padding),
+                      need_weights=need_weights)  # fmt: skip
+    np.testing.assert_allclose(out_f.numpy(), out_t.detach().numpy(), rtol=2e-5, atol=2e-5)
+    assert np.isnan(out_f.numpy()[:, 1]).all() == need_weights
