@@ -4,8 +4,9 @@ ops (``layer_norm``, ``group_norm`` and ``rms_norm`` are in flame/nn/functional.
 In training, the batch statistics normalize the input and the running statistics are
 updated in place, as PyTorch's: ``running = (1 - momentum) * running + momentum * batch``,
 the variance unbiased (n / (n - 1)). The update is an in-place write (flame/inplace.py): on
-realized buffers it runs at once (the batch statistics are computed then), inside
-``flame.compile`` it is part of the program; it never records gradient history.
+realized buffers it runs at once (the input and its statistics are realized then, once, and
+the output reads them), inside ``flame.compile`` it is part of the program; it never records
+gradient history.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from flame.autograd import no_grad
 from flame.inplace import memory_of
 from flame.ir.shapes import ShapeError, prod
 from flame.shaping import checked_tensor, shown, user_errors
-from flame.tensor import Tensor
+from flame.tensor import Tensor, realize
 from flame.views import reshape
 
 __all__ = ["batch_norm", "instance_norm"]
@@ -52,6 +53,16 @@ def _update(running: Tensor | None, batch: Tensor, momentum: float) -> None:
         running.realize()
     with no_grad():
         running.lerp_(batch.detach().to(running.dtype), momentum)
+
+
+def _statistics_now(input: Tensor, mean: Tensor, variance: Tensor, *running) -> None:  # noqa: A002
+    """Outside ``flame.compile`` the running-statistics update runs at once; computed alone it
+    would compute ``input`` (and what produced it: a convolution, say) once for the update
+    and again for the output. Realized together first, both read the same memory."""
+    from flame.compile import current_trace  # at call time: flame.compile imports much
+
+    if current_trace() is None and any(stat is not None for stat in running):
+        realize(input, mean, variance)
 
 
 def _affine(result: Tensor, weight, bias, shape) -> Tensor:
@@ -97,6 +108,7 @@ def batch_norm(
     mean = R.mean(input, axes, keepdim=True)
     centered = input - mean
     variance = R.mean(centered * centered, axes, keepdim=True)
+    _statistics_now(input, mean, variance, running_mean, running_var)
     _update(running_mean, reshape(mean, (channels,)), momentum)
     _update(running_var, reshape(variance, (channels,)) * (count / (count - 1)), momentum)
     return _affine(centered * (variance + eps).rsqrt(), weight, bias, shape)
@@ -133,6 +145,7 @@ def instance_norm(
     centered = input - mean
     variance = R.mean(centered * centered, axes, keepdim=True)
     if running_mean is not None or running_var is not None:
+        _statistics_now(input, mean, variance, running_mean, running_var)
         flat_mean = reshape(mean, (input.shape[0], channels))
         flat_variance = reshape(variance, (input.shape[0], channels))
         _update(running_mean, R.mean(flat_mean, 0), momentum)
