@@ -13,6 +13,7 @@ in eval too.
 
 from __future__ import annotations
 
+from flame.backend import backend as use_backend
 from flame.creation import ones, tensor, zeros
 from flame.ir import dtypes
 from flame.nn import init
@@ -72,10 +73,12 @@ class _NormBase(Module):
         self.reset_parameters()
 
     def reset_running_stats(self) -> None:
+        # through nn.init, which writes on the tensor's own backend (a bare ``zero_`` makes
+        # its zeros on the current one, and refuses a cpu buffer under fl.backend("cuda"))
         if self.track_running_stats:
-            self.running_mean.zero_()
-            self.running_var.fill_(1)
-            self.num_batches_tracked.zero_()
+            init.zeros_(self.running_mean)
+            init.ones_(self.running_var)
+            init.zeros_(self.num_batches_tracked)
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -100,7 +103,8 @@ class _BatchNorm(_NormBase):
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+            with use_backend(self.num_batches_tracked.backend):
+                self.num_batches_tracked.add_(1)
             if self.momentum is None:  # the cumulative average
                 factor = 1.0 / float(self.num_batches_tracked.item())
         # the batch's statistics in training, and in eval when there are no running ones

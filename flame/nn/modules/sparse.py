@@ -9,7 +9,6 @@ the looked-up rows of the weight in place during ``forward``), ``scale_grad_by_f
 
 from __future__ import annotations
 
-from flame.autograd import no_grad
 from flame.nn import init
 from flame.nn.functional import embedding
 from flame.nn.modules.linear import empty_parameter
@@ -91,8 +90,7 @@ class Embedding(Module):
 
     def _fill_padding_idx_with_zero(self) -> None:
         if self.padding_idx is not None:
-            with no_grad():
-                self.weight[self.padding_idx].fill_(0)
+            init.zeros_(self.weight[self.padding_idx])  # on the weight's backend, no_grad
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
         return embedding(input, self.weight, self.padding_idx)
