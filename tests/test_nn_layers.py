@@ -378,6 +378,38 @@ def test_batchnorm_eval_normalises_with_the_running_statistics(reference_backend
     assert not np.allclose(layer.running_mean.numpy(), [1.0, -2.0])
 
 
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_compiled_training_steps_match_lazy_steps(momentum, reference_backend, rng):
+    """Running statistics and num_batches_tracked are written by the compiled program (the
+    cumulative average's factor is a tensor, so the trace reads no values)."""
+    from flame.nn.modules.container import Sequential
+
+    batches = [fl.tensor(rng.standard_normal((3, 2, 4, 4)).astype(np.float32)) for _ in range(3)]
+    results = []
+    for compiled in (False, True):
+        fl.manual_seed(0)
+        model = Sequential(
+            Conv2d(2, 4, 3, padding=1), BatchNorm2d(4, momentum=momentum), GroupNorm(2, 4)
+        )
+
+        def step(x, model=model):
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            return loss
+
+        run = fl.compile(step) if compiled else step
+        losses = [run(x).item() for x in batches]
+        state = {key: value.numpy().copy() for key, value in model.state_dict().items()}
+        results.append((losses, state, [param.grad.numpy() for param in model.parameters()]))
+    (lazy_losses, lazy_state, lazy_grads), (losses, state, grads) = results
+    np.testing.assert_allclose(losses, lazy_losses, rtol=1e-6)
+    assert state["1.num_batches_tracked"] == 3
+    for key, value in lazy_state.items():
+        assert_close(state[key], value, key, rtol=1e-6, atol=1e-7)
+    for got, want in zip(grads, lazy_grads):
+        assert_close(got, want, "accumulated gradient", rtol=1e-6, atol=1e-7)
+
+
 # --- construction: PyTorch's checks, dtype and device ---------------------------------------------
 
 BAD_CONFIGS = [

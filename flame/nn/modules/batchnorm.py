@@ -4,9 +4,9 @@ buffers ``running_mean``, ``running_var`` and ``num_batches_tracked`` (int64), t
 
 In training the batch's statistics normalise and the running ones move toward them (in
 place, inside ``F.batch_norm``); in eval the running ones normalise. ``momentum=None`` is
-PyTorch's cumulative average (factor ``1 / num_batches_tracked``): the factor is a Python
-number, so it reads ``num_batches_tracked`` from the device every step (a sync), as PyTorch
-does; under ``flame.compile`` it would be baked into the trace, so give a momentum there.
+PyTorch's cumulative average, factor ``1 / num_batches_tracked``: FLAME passes that factor
+to ``F.batch_norm`` as a 0-d tensor (PyTorch reads the count to the host, a sync every
+step), so it works under ``flame.compile`` too.
 With ``track_running_stats=False`` there are no buffers and the batch's statistics are used
 in eval too.
 """
@@ -105,8 +105,9 @@ class _BatchNorm(_NormBase):
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             with use_backend(self.num_batches_tracked.backend):
                 self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # the cumulative average
-                factor = 1.0 / float(self.num_batches_tracked.item())
+            if self.momentum is None:  # the cumulative average, 1 / count as a tensor
+                count = self.num_batches_tracked.to(self.running_mean.dtype)
+                factor = count.reciprocal()
         # the batch's statistics in training, and in eval when there are no running ones
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         # the running statistics are passed where they are updated or used
