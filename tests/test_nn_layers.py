@@ -595,3 +595,21 @@ def test_gpu_matches_the_reference_backend(case, rng):
         assert_close(got[2][name], theirs, f"gradient of {name}", **tolerance)
     for key, value in reference.state_dict().items():  # BatchNorm's running statistics
         assert_close(module.state_dict()[key].numpy(), value.numpy(), key, **tolerance)
+
+
+@pytest.mark.gpu
+def test_gpu_initial_weights_equal_the_reference_ones():
+    """device="cuda" puts every parameter and buffer on the GPU, drawn from the same seed
+    to the same numbers as on the reference backend."""
+
+    def layers(device):
+        fl.manual_seed(0)
+        return [
+            Linear(6, 5, device=device), Conv2d(2, 3, 3, device=device),
+            Embedding(7, 3, padding_idx=1, device=device), BatchNorm1d(3, device=device),
+        ]  # fmt: skip
+
+    for gpu, cpu in zip(layers("cuda"), layers("cpu")):
+        for key, value in cpu.state_dict().items():
+            assert gpu.state_dict()[key].backend == "cuda", key
+            np.testing.assert_array_equal(gpu.state_dict()[key].numpy(), value.numpy(), key)
