@@ -382,3 +382,11 @@ def test_a_lazy_leaf_written_under_no_grad_still_requires_grad(reference_backend
     assert w.requires_grad and not x.requires_grad
     (w * 3).sum().backward()
     np.testing.assert_array_equal(w.grad.numpy(), np.full((4, 5), 3.0))
+
+
+def test_in_place_write_into_a_computed_zero_dim_value(reference_backend):
+    t = fl.zeros(()).realize()
+    t.add_(1)
+    u = fl.tensor(5.0).clone().realize()
+    u.mul_(3)
+    assert t.shape == () and float(t.item()) == 1.0 and float(u.item()) == 15.0

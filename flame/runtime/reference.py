@@ -58,5 +58,7 @@ def realize(nodes, storage_factory) -> None:
     """Compute ``nodes`` and memoize each result as a contiguous NumPy array."""
     pending = [node for node in nodes if node.buffer is None and node.op != "buffer"]
     for node, value in zip(pending, evaluate(pending)):
-        array = np.ascontiguousarray(np.asarray(value, dtype=node.dtype.numpy))
+        array = np.asarray(value, dtype=node.dtype.numpy)
+        # ascontiguousarray makes a 0-d value 1-d; a copy keeps the shape
+        array = array if array.flags.c_contiguous else array.copy(order="C")
         node.buffer = storage_factory(node.dtype, array)
