@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flame.backend import backend as use_backend
 from flame.inplace import (
     _VIEW_OPS,
     InplaceError,
@@ -30,11 +31,12 @@ def _inplace(op: str, compute):
     """``Tensor.<op>(*args)``: ``compute(self, *args)`` written into ``self``."""
 
     def method(self: Tensor, *args, **kwargs) -> Tensor:
-        value = compute(self, *args, **kwargs)
-        if not isinstance(value, Tensor):
-            from flame.creation import full
+        with use_backend(self.backend):  # values made from scalars live where the tensor does
+            value = compute(self, *args, **kwargs)
+            if not isinstance(value, Tensor):
+                from flame.creation import full
 
-            value = full(self.shape, value, dtype=self.dtype)
+                value = full(self.shape, value, dtype=self.dtype)
         value = _check(self, value, op)
         held = [self.node] + [a.node for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if not _fresh(value.node) or any(value.node is node for node in held):

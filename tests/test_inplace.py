@@ -390,3 +390,13 @@ def test_in_place_write_into_a_computed_zero_dim_value(reference_backend):
     u = fl.tensor(5.0).clone().realize()
     u.mul_(3)
     assert t.shape == () and float(t.item()) == 1.0 and float(u.item()) == 15.0
+
+
+def test_in_place_ops_with_scalars_work_on_the_tensors_own_backend():
+    with fl.backend("reference"):
+        t = fl.ones(3).realize()
+    with fl.backend("cuda"):  # building on another backend: the write stays on t's
+        t.fill_(2.0)
+        t.add_(1)
+    assert t.backend == "reference"
+    np.testing.assert_array_equal(t.numpy(), np.full(3, 3.0))
