@@ -13,6 +13,7 @@ from flame import (
     optim,  # noqa: E402  (written with the public ops above)
 )
 from flame._version import __version__
+from flame.amp import autocast, get_autocast_dtype, is_autocast_enabled
 from flame.autograd import (
     GradError,
     enable_grad,
@@ -186,5 +187,6 @@ __all__ = [
     "topk", "Generator", "default_generator", "get_rng_state", "initial_seed",
     "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
     "randperm", "load_file", "save_file",
+    "autocast", "get_autocast_dtype", "is_autocast_enabled",
     *_functional_names,
 ]  # fmt: skip

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 
+from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.effects import Trace, direct_writes, drawing, write_back
 from flame.ir.node import Node, format_site, user_site
@@ -141,7 +142,8 @@ class CompiledFunction:
             # Called inside another compiled function's trace: traced through, its ops part
             # of that program (a replay here would bake this call's result in as a constant)
             return self._call(args, names)
-        mode = are_deterministic_algorithms_enabled()  # plans differ (flame/determinism.py)
+        # plans differ (flame/determinism.py); so do the graphs autocast builds (flame/amp)
+        mode = (are_deterministic_algorithms_enabled(), autocast_key())
         exact = [(names, mode)]
         pending = None
         for a in args:
@@ -200,7 +202,8 @@ class CompiledFunction:
                     f"flame.compile({self.fn.__qualname__}): static argument {name!r} is a tensor"
                 )
             generic.append(generic_entry(value))
-        generic = ((tuple(names), are_deterministic_algorithms_enabled()), *generic)
+        modes = (are_deterministic_algorithms_enabled(), autocast_key())
+        generic = ((tuple(names), *modes), *generic)
         sizes = tuple(a.shape for a in args if isinstance(a, Tensor))
         return generic, sizes
 

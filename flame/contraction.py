@@ -17,9 +17,10 @@ An equation is lowered to ops FLAME already has, in three steps:
 
 from __future__ import annotations
 
+from flame.amp.autocast_mode import lower_precision
 from flame.ir.shapes import ShapeError, prod
 from flame.linalg import matmul
-from flame.reductions import sum as reduce_sum
+from flame.reductions import plain_sum as reduce_sum
 from flame.shaping import checked_tensor, diagonal, shown, user_errors
 from flame.tensor import Tensor
 from flame.views import expand, permute, reshape
@@ -173,6 +174,7 @@ def einsum(equation: str, *operands) -> Tensor:
         raise TypeError("einsum: expected an equation string and at least one tensor")
     for operand in operands:
         checked_tensor("einsum", operand)
+    operands = lower_precision(*operands)  # autocast: einsum is on the lower-precision list
     labels, wanted = _parse(equation, operands)
     sizes = _sizes(labels, operands, equation)
     pending = []

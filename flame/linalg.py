@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+from flame.amp.autocast_mode import lower_precision
 from flame.ir import dtypes
 from flame.ir.node import format_site, user_site
 from flame.ir.ops import linalg as _declarations  # noqa: F401  (registers matmul)
@@ -85,6 +86,7 @@ def _promoted(left: Tensor, right: Tensor) -> tuple[Tensor, Tensor]:
 def matmul(left: Tensor, right: Tensor) -> Tensor:
     """``left @ right`` with ``numpy.matmul`` semantics; float32, float64, float16 or bfloat16."""
     _check_operands("matmul", left, right)
+    left, right = lower_precision(left, right)  # autocast: bmm and @ come through here
     left, right = _promoted(left, right)
     precision = _precision.get() if left.dtype is dtypes.float32 else "highest"
     return apply_op("matmul", left, right, precision=precision)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
+from flame.amp.autocast_mode import full_precision
 from flame.functional import where
 from flame.ir import dtypes
 from flame.ir.node import user_site
@@ -86,15 +87,26 @@ def _count(x: Tensor, axes) -> int:
 
 def sum(x, dim=None, keepdim=False, dtype=None, *, axis=None):  # noqa: A001 (PyTorch's name)
     """Sum over ``dim`` (all axes when None). float16/bfloat16 accumulate in float32; bool
-    and integers sum to int64."""
+    and integers sum to int64. Under autocast, float32 (PyTorch's float32 list), unless
+    ``dtype`` is given."""
     if dtype is not None:
         x = x.to(dtype)
+    else:
+        (x,) = full_precision(x)
     return _reduce("reduce_sum", x, _dim(dim, axis, "sum"), keepdim, "sum")
+
+
+def plain_sum(x, dim=None, keepdim=False):
+    """``sum`` without the autocast policy: the sums inside other ops (mean, var, einsum),
+    which keep their input's dtype under autocast, as PyTorch's do."""
+    return _reduce("reduce_sum", x, dim, keepdim, "sum")
 
 
 def prod_(x, dim=None, keepdim=False, dtype=None, *, axis=None):
     if dtype is not None:
         x = x.to(dtype)
+    else:
+        (x,) = full_precision(x)  # autocast: PyTorch's float32 list
     return _reduce("reduce_prod", x, _dim(dim, axis, "prod"), keepdim, "prod")
 
 
@@ -153,7 +165,7 @@ def mean(x, dim=None, keepdim=False, dtype=None, *, axis=None):
     axes = _axes(x, dim, "mean")
     count = _count(x, axes)
     # scale before dropping axes, so the scaling stays in the reduction's kernel
-    result = sum(x, axes, keepdim=True) * (1.0 / count if count else math.nan)
+    result = plain_sum(x, axes, keepdim=True) * (1.0 / count if count else math.nan)
     return result if keepdim else _drop(result, axes)
 
 
@@ -174,7 +186,7 @@ def var(x, dim=None, correction=1, keepdim=False, *, axis=None, unbiased=None):
         center = _exact_center(x, axes)
     deviation = x - center
     scale = 1.0 / divisor if divisor else math.inf
-    result = sum(deviation * deviation, axes, keepdim=True) * scale
+    result = plain_sum(deviation * deviation, axes, keepdim=True) * scale
     return result if keepdim else _drop(result, axes)
 
 
@@ -209,11 +221,11 @@ def logsumexp(x, dim=None, keepdim=False, *, axis=None):
     dim = _dim(dim, axis, "logsumexp")
     axes = _axes(x, dim, "logsumexp")
     if not _count(x, axes):
-        result = sum(x.exp(), axes, keepdim=True).log()
+        result = plain_sum(x.exp(), axes, keepdim=True).log()
         return result if keepdim else _drop(result, axes)
     peak = amax(x, dim, keepdim=True)
     finite_peak = where(peak.abs() == float("inf"), 0.0, peak)
-    total = sum((x - finite_peak).exp(), dim, keepdim=True)
+    total = plain_sum((x - finite_peak).exp(), axes, keepdim=True)
     result = total.log() + finite_peak
     return result if keepdim else _drop(result, axes)
 

@@ -12,6 +12,7 @@ import functools
 import threading
 import weakref
 
+from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
 from flame.runtime import events
@@ -92,10 +93,12 @@ MISS = object()  # a compiled call the one-kernel path does not take: the genera
 def direct_key(args) -> tuple:
     """The key of a call whose arguments are all realized tensors, as ``dispatcher``'s
     generated code spells it: the deterministic-algorithms mode, then each argument's
-    ``exact_entry`` (backend, dtype, shape, layout) laid out flat."""
+    ``exact_entry`` (backend, dtype, shape, layout) laid out flat, then the autocast dtype
+    (flame/amp/autocast_mode.py ``key``)."""
     key = [are_deterministic_algorithms_enabled()]
     for a in args:
         key += exact_entry(a)
+    key.append(autocast_key())
     return tuple(key)
 
 
@@ -128,8 +131,12 @@ def dispatcher(arity: int):
     lines = ["def dispatch(direct, args):", *_argument_lines(arity)]
     key = ["mode()"]
     key += [f"a{i}.backend, n{i}.dtype, n{i}.shape, s{i}.layout()" for i in range(arity)]
+    key.append("amp()")
     lines.append(f"    return direct.get(({', '.join(key)},))")
-    namespace = {"miss": None, "Tensor": Tensor, "mode": are_deterministic_algorithms_enabled}
+    namespace = {
+        "miss": None, "Tensor": Tensor, "mode": are_deterministic_algorithms_enabled,
+        "amp": autocast_key,
+    }  # fmt: skip
     exec(compile("\n".join(lines) + "\n", "<flame.compile dispatch>", "exec"), namespace)  # noqa: S102
     return namespace["dispatch"]
 
@@ -138,9 +145,9 @@ def _key_test_lines(key: tuple, arity: int) -> tuple[list[str], dict]:
     """Body lines that return ``miss`` unless the arguments bound by ``_argument_lines`` have
     ``key`` (``direct_key``'s layout), and the constants they name: each part compared on
     its own, with no key built or hashed."""
-    if len(key) != 1 + 4 * arity or any(len(part) != 2 for part in key[4::4]):
+    if len(key) != 2 + 4 * arity or any(len(part) != 2 for part in key[4:-1:4]):
         raise ValueError(f"not a direct_key of {arity} tensors: {key!r:.200}")
-    tests, names = ["mode() != k0"], {"k0": key[0]}
+    tests, names = ["mode() != k0", "amp() != ka"], {"k0": key[0], "ka": key[-1]}
     for i in range(arity):
         backend, dtype, shape, layout = key[1 + 4 * i : 5 + 4 * i]
         names.update({f"b{i}": backend, f"d{i}": dtype, f"h{i}": shape, f"l{i}": layout})
@@ -398,6 +405,8 @@ def one_kernel_replay(plan, sources, output, executor, arity: int, key=None):
     if key is not None:
         tests, constants = _key_test_lines(key, arity)
         header = ["def entry(args):", *_argument_lines(arity), *tests, *listening]
-        namespace.update(constants, miss=MISS, mode=are_deterministic_algorithms_enabled)
+        namespace.update(
+            constants, miss=MISS, mode=are_deterministic_algorithms_enabled, amp=autocast_key
+        )
         entry = one_kernel_runner(plan, header, storages, finish, namespace)
     return run, entry

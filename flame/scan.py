@@ -9,6 +9,7 @@ gradient reaches the selected positions only.
 
 from __future__ import annotations
 
+from flame.amp.autocast_mode import full_precision
 from flame.indexing import take_along_dim
 from flame.ir import dtypes
 from flame.ir.ops import scan as _declarations  # noqa: F401  (registers the ops)
@@ -30,6 +31,8 @@ def _prepared(op: str, x, dim, dtype=None) -> tuple[Tensor, int]:
 @user_errors
 def cumsum(input: Tensor, dim: int, dtype=None) -> Tensor:  # noqa: A002 (PyTorch's names)
     """``out[i] = input[0] + ... + input[i]`` along ``dim``."""
+    if dtype is None:
+        (input,) = full_precision(input)  # autocast: float32 (PyTorch's list)
     x, axis = _prepared("cumsum", input, dim, dtype)
     return apply_op("cumsum", x, dim=axis)
 
@@ -37,6 +40,8 @@ def cumsum(input: Tensor, dim: int, dtype=None) -> Tensor:  # noqa: A002 (PyTorc
 @user_errors
 def cumprod(input: Tensor, dim: int, dtype=None) -> Tensor:  # noqa: A002
     """``out[i] = input[0] * ... * input[i]`` along ``dim`` (gradient defined at zeros)."""
+    if dtype is None:
+        (input,) = full_precision(input)  # autocast: float32
     x, axis = _prepared("cumprod", input, dim, dtype)
     return apply_op("cumprod", x, dim=axis)
 

@@ -54,6 +54,10 @@ def shown(entry) -> str:
     return f"{entry[1]} {entry[2]!r}"
 
 
+def _autocast(dtype) -> str:
+    return "off" if dtype is None else dtype.name
+
+
 def miss_reason(signatures: dict, generic: tuple) -> str:
     """Why ``generic`` missed: what differs from the newest of ``signatures``."""
     if not signatures:
@@ -61,6 +65,9 @@ def miss_reason(signatures: dict, generic: tuple) -> str:
     previous = next(reversed(signatures))
     if previous[0][1] != generic[0][1]:
         return f"deterministic algorithms {'on' if generic[0][1] else 'off'} (a new plan)"
+    if previous[0][2] != generic[0][2]:  # the autocast dtype (flame/amp/autocast_mode.py)
+        old, new = _autocast(previous[0][2]), _autocast(generic[0][2])
+        return f"autocast changed: {old} -> {new} (a new trace)"
     if previous[0] != generic[0]:
         return f"arguments passed as {generic[0][0]} instead of {previous[0][0]}"
     names = generic[0][0]

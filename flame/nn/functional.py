@@ -5,6 +5,7 @@ row once; cross-entropy one kernel per row plus a small one for the mean."""
 from __future__ import annotations
 
 from flame import reductions as R
+from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
 from flame.indexing import embedding, one_hot
@@ -27,20 +28,24 @@ __all__ = [
 def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     if dtype is not None:
         x = x.to(dtype)
+    else:
+        (x,) = full_precision(x)  # autocast: float32 (PyTorch's list), unless dtype= is given
     if x.ndim and x.shape[dim] == 0:  # nothing to normalize: the empty tensor, as PyTorch
         return x
     shifted = x - R.amax(x, dim, keepdim=True)
     exponent = shifted.exp()
-    return exponent / R.sum(exponent, dim, keepdim=True)
+    return exponent / R.plain_sum(exponent, dim, keepdim=True)
 
 
 def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
     if dtype is not None:
         x = x.to(dtype)
+    else:
+        (x,) = full_precision(x)
     if x.ndim and x.shape[dim] == 0:
         return x
     shifted = x - R.amax(x, dim, keepdim=True)
-    return shifted - R.sum(shifted.exp(), dim, keepdim=True).log()
+    return shifted - R.plain_sum(shifted.exp(), dim, keepdim=True).log()
 
 
 def _trailing_axes(x: Tensor, normalized_shape, op: str) -> tuple[int, ...]:
@@ -56,6 +61,7 @@ def _trailing_axes(x: Tensor, normalized_shape, op: str) -> tuple[int, ...]:
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    x, weight, bias = full_precision(x, weight, bias)  # autocast: float32
     axes = _trailing_axes(x, normalized_shape, "layer_norm")
     centered = x - R.mean(x, axes, keepdim=True)
     variance = R.mean(centered * centered, axes, keepdim=True)
@@ -73,6 +79,7 @@ _EPSILON = {  # torch.finfo(dtype).eps
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> Tensor:
+    x, weight = full_precision(x, weight)  # autocast: float32
     axes = _trailing_axes(x, normalized_shape, "rms_norm")
     if eps is None:  # PyTorch's default: the machine epsilon of the input's dtype
         eps = _EPSILON.get(x.dtype.name, _EPSILON["float32"])
@@ -81,6 +88,7 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> Tens
 
 
 def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    x, weight, bias = full_precision(x, weight, bias)  # autocast: float32
     if x.ndim < 2 or x.shape[1] % num_groups:
         raise ShapeError(
             f"group_norm: channels of input {list(x.shape)} must divide into {num_groups} groups"
@@ -105,7 +113,7 @@ def cross_entropy(
     """Cross-entropy of logits ``input`` [N, C] (or [N, C, d...], or [C]) against class
     indices ``target`` [N] (or [N, d...], []) or class probabilities shaped like ``input``."""
     _no_legacy_arguments("cross_entropy", size_average, reduce)
-    logits = input
+    logits, weight = full_precision(input, weight)  # autocast: float32
     simple = (
         weight is None and logits.ndim == 2 and target.ndim == 1
         and not target.dtype.is_float and target.shape[0] == logits.shape[0]
@@ -179,6 +187,7 @@ def dropout(
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:  # noqa: A002
+    input, target = full_precision(input, target)  # autocast: float32
     difference = input - target
     return _reduce_loss(difference * difference, reduction)
 
@@ -198,6 +207,24 @@ from flame.nn.activations import (  # noqa: E402
     softmin,
     softsign,
 )
+
+# The layers' ops (flame/nn/convolution.py, pooling.py, interpolation.py, attention.py,
+# normalization.py): compositions of public ops until the fused kernels of issue 20 arrive.
+from flame.nn.attention import (  # noqa: E402
+    multi_head_attention_forward,
+    scaled_dot_product_attention,
+)
+from flame.nn.convolution import (  # noqa: E402
+    bilinear,
+    conv1d,
+    conv2d,
+    conv_transpose1d,
+    conv_transpose2d,
+    fold,
+    linear,
+    unfold,
+)
+from flame.nn.interpolation import interpolate  # noqa: E402
 from flame.nn.losses import (  # noqa: E402
     binary_cross_entropy,
     binary_cross_entropy_with_logits,
@@ -208,3 +235,24 @@ from flame.nn.losses import (  # noqa: E402
     normalize,
     smooth_l1_loss,
 )
+from flame.nn.modules.dropout import dropout1d, dropout2d, dropout3d  # noqa: E402
+from flame.nn.normalization import batch_norm, instance_norm  # noqa: E402
+from flame.nn.pooling import (  # noqa: E402
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    adaptive_max_pool2d,
+    avg_pool1d,
+    avg_pool2d,
+    max_pool1d,
+    max_pool2d,
+    pixel_shuffle,
+    pixel_unshuffle,
+)
+
+__all__ += [
+    "multi_head_attention_forward", "scaled_dot_product_attention", "bilinear", "conv1d",
+    "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear", "unfold",
+    "interpolate", "dropout1d", "dropout2d", "dropout3d", "batch_norm", "instance_norm",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool1d",
+    "avg_pool2d", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+]  # fmt: skip

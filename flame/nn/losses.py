@@ -9,6 +9,7 @@ PyTorch's arguments, reductions and conventions (logs clamped at -100 in
 from __future__ import annotations
 
 from flame import reductions as R
+from flame.amp.autocast_mode import full_precision
 from flame.backend import backend as use_backend
 from flame.functional import softplus, where
 from flame.ir.shapes import ShapeError
@@ -94,6 +95,7 @@ def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,  # n
     from flame.nn.functional import _no_legacy_arguments
 
     _no_legacy_arguments("nll_loss", size_average, reduce)
+    input, weight = full_precision(input, weight)  # autocast: float32 (PyTorch's list)
     rows, target_rows, loss_shape, classes = _class_rows("nll_loss", input, target, False)
     is_target = _targets("nll_loss", target_rows, classes, input.backend)
     class_weight = _class_weight(weight, classes, "nll_loss")
@@ -152,7 +154,9 @@ def cross_entropy_general(logits, target, weight, ignore_index, reduction, label
 def binary_cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,  # noqa: A002
                          reduce=None, reduction: str = "mean") -> Tensor:  # fmt: skip
     """``-w (t log x + (1 - t) log(1 - x))`` for probabilities ``input``; each log is
-    clamped at -100, as PyTorch does, so x = 0 or 1 gives a finite loss."""
+    clamped at -100, as PyTorch does, so x = 0 or 1 gives a finite loss. Under autocast,
+    float32 (PyTorch's CPU list; its CUDA autocast refuses this op)."""
+    input, target, weight = full_precision(input, target, weight)
     _same_shape("binary_cross_entropy", input, target)
     log_x = _at_least(input.log(), -100.0)
     log_rest = _at_least((1.0 - input).log(), -100.0)
@@ -172,6 +176,7 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight=None,
     """``binary_cross_entropy(sigmoid(input), target)`` computed from the logits without
     overflow; ``pos_weight`` scales the positive term (per class, broadcast on the last
     dim)."""
+    input, target, weight, pos_weight = full_precision(input, target, weight, pos_weight)
     _same_shape("binary_cross_entropy_with_logits", input, target)
     if pos_weight is None:
         loss = (1.0 - target) * input + softplus(-input)
@@ -185,12 +190,14 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight=None,
 
 def l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,  # noqa: A002
             reduction: str = "mean") -> Tensor:  # fmt: skip
+    input, target = full_precision(input, target)  # autocast: float32
     return _reduced((input - target).abs(), reduction, "l1_loss")
 
 
 def smooth_l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,  # noqa: A002
                    reduction: str = "mean", beta: float = 1.0) -> Tensor:  # fmt: skip
     """``0.5 d^2 / beta`` where ``|d| < beta``, ``|d| - 0.5 beta`` elsewhere."""
+    input, target = full_precision(input, target)  # autocast: float32
     if beta < 0:
         raise at_user_line(ValueError(f"smooth_l1_loss: beta must be >= 0, got {beta}"))
     difference = input - target
@@ -204,6 +211,7 @@ def smooth_l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None
 def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean",  # noqa: A002
                delta: float = 1.0, weight=None) -> Tensor:  # fmt: skip
     """``0.5 d^2`` where ``|d| < delta``, ``delta (|d| - 0.5 delta)`` elsewhere."""
+    input, target, weight = full_precision(input, target, weight)  # autocast: float32
     if delta <= 0:
         raise at_user_line(ValueError(f"huber_loss: delta must be > 0, got {delta}"))
     difference = input - target
@@ -219,6 +227,7 @@ def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None,  # noq
     """``target * (log(target) - input)`` for log-probabilities ``input`` (``log_target``:
     ``target`` holds log-probabilities too). ``reduction="batchmean"`` divides the sum by
     the batch size (the KL divergence proper); ``"mean"`` by the element count."""
+    input, target = full_precision(input, target)  # autocast: float32
     if log_target:
         loss = target.exp() * (target - input)
     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from flame.ir.dtypes import float32
@@ -45,6 +47,37 @@ def in_float32(*tensors: Tensor) -> list[Tensor]:
     from flame.ir import dtypes
 
     return [t if t.dtype is dtypes.float32 else t.to(dtypes.float32) for t in tensors]
+
+
+def guarded(optimizer, rule, h: Tensor, into: tuple):
+    """``(rule, h)`` for ``foreach``: as given, or, while a GradScaler's found-inf flag is
+    set on ``optimizer`` (``Optimizer._skip_if``), the flag appended to ``h`` and the rule
+    wrapped to keep every old value (parameter and state) where the flag is 1: a skipped
+    step changes nothing, decided on the device, in the same kernel."""
+    flag = optimizer._skip_if
+    if flag is None:
+        return rule, h
+    from flame.joining import cat
+    from flame.views import reshape
+
+    return _keeping(rule, tuple(into)), cat([h, reshape(flag.to(h.dtype), (1,))])
+
+
+@functools.cache
+def _keeping(rule, into: tuple):
+    """``rule`` whose results are the old values where the last of its per-step values is
+    nonzero (one function per rule, so ``foreach`` traces it once)."""
+    from flame.functional import where
+
+    def keeping(*args):
+        *tensors, h = args
+        results = rule(*tensors, h)
+        results = (results,) if isinstance(results, Tensor) else tuple(results)
+        skip = h[h.shape[0] - 1] != 0.0
+        return tuple(where(skip, tensors[i], result) for i, result in zip(into, results))
+
+    keeping.__name__ = keeping.__qualname__ = f"{rule.__name__}_skippable"
+    return keeping
 
 
 def grad_of(param: Tensor) -> Tensor:

@@ -46,6 +46,13 @@ class ParamState:
 
 
 class Optimizer(abc.ABC):
+    # flame.amp.GradScaler's found-inf flag while it runs ``step``: a 0-d float32 device
+    # tensor, 1.0 when the step must change nothing. Optimizers that honour it on the device
+    # (``_skips_on_device``: their rules keep the old values where it is set, through
+    # ``_common.guarded``) never wait for it; for the others the scaler reads it first.
+    _skip_if = None
+    _skips_on_device = False
+
     def __init__(self, params, defaults: dict):
         self.defaults = dict(defaults)
         self.param_groups: list[dict] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flame.foreach import foreach
-from flame.optim._common import grad_of, in_float32, scalars, zeros_state
+from flame.optim._common import grad_of, guarded, in_float32, scalars, zeros_state
 from flame.optim.optimizer import Optimizer
 
 # per-step values: learning rate, L2 weight decay, momentum, the buffer's two coefficients
@@ -32,6 +32,8 @@ def sgd_nesterov_rule(p, g, buf, h):
 
 
 class SGD(Optimizer):
+    _skips_on_device = True  # GradScaler: see Optimizer._skip_if
+
     def __init__(
         self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
         *, maximize=False,
@@ -57,7 +59,8 @@ class SGD(Optimizer):
             h = scalars(
                 [group["lr"], group["weight_decay"], 0.0, 0.0, 0.0, sign], params[0], self._uploads
             )
-            foreach(sgd_rule, params, grads, scalars=h, into=(0,))
+            rule, h = guarded(self, sgd_rule, h, (0,))
+            foreach(rule, params, grads, scalars=h, into=(0,))
             return
         # a parameter's first step starts its buffer at the gradient (PyTorch's rule)
         fresh, started = [], []
@@ -76,4 +79,5 @@ class SGD(Optimizer):
             h = scalars(values, members[0][0], self._uploads)
             ps = [p for p, _ in members]
             buffers = [self.state[p]["momentum_buffer"] for p in ps]
-            foreach(rule, ps, [g for _, g in members], buffers, scalars=h, into=(0, 2))
+            guarded_rule, h = guarded(self, rule, h, (0, 2))
+            foreach(guarded_rule, ps, [g for _, g in members], buffers, scalars=h, into=(0, 2))
