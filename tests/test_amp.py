@@ -310,6 +310,19 @@ def test_autocast_inside_a_compiled_function_traces_once(reference_backend, rng)
     assert not fl.is_autocast_enabled()
 
 
+def test_a_one_kernel_program_retraces_when_the_state_changes(backend, rng):
+    """On the GPU, the generated one-kernel entry tests the autocast dtype too."""
+    x = _t(rng, 64).realize()
+    compiled = fl.compile(lambda a: a * 2.0 + 1.0)
+    for _ in range(2):
+        compiled(x)
+        with fl.autocast(dtype=BF16):
+            compiled(x)
+    info = compiled.cache_info()
+    assert info.traces == 2 and info.hits == 2
+    assert info.reasons[-1] == "miss: autocast changed: off -> bfloat16 (a new trace)"
+
+
 def test_the_direct_key_holds_the_autocast_dtype(reference_backend, rng):
     from flame.replay import direct_key
 
@@ -367,7 +380,7 @@ def _scaled_backward(scaler, x, y, params, factor=1.0):
     scaler.scale(loss).backward()
 
 
-def test_a_step_with_an_inf_gradient_is_skipped_on_the_device(reference_backend, rng):
+def test_a_step_with_an_inf_gradient_is_skipped_on_the_device(backend, rng):
     x, y, params, opt = _model(rng, "AdamW", lr=1e-2)
     scaler = GradScaler(init_scale=2.0**10)
     _scaled_backward(scaler, x, y, params)
@@ -490,7 +503,7 @@ CASES = [
 @pytest.mark.parametrize(
     ("name", "options"), CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 )
-def test_steps_match_torch_grad_scaler(reference_backend, rng, name, options):
+def test_steps_match_torch_grad_scaler(backend, rng, name, options):
     """Several steps, one of them with an inf gradient, against ``torch.amp.GradScaler``."""
     torch = pytest.importorskip("torch")
 
@@ -525,3 +538,17 @@ def test_steps_match_torch_grad_scaler(reference_backend, rng, name, options):
     for got, expected in zip(params, tparams):
         np.testing.assert_allclose(got.numpy(), expected.detach().numpy(), rtol=2e-5, atol=2e-6)
     assert scaler.state_dict() == tscaler.state_dict()
+
+
+def test_the_benchmark_smoke_path_matches_torch():
+    """bench/autocast.py's CPU path: FLAME's compiled autocast step and PyTorch's eager one
+    give the same losses (and FLAME traces its step once)."""
+    pytest.importorskip("torch")
+    from bench.autocast import markdown, run_smoke
+
+    report = run_smoke(steps=2)
+    assert report["flame"]["traces"] == 1
+    np.testing.assert_allclose(
+        report["flame"]["losses"], report["torch_eager"]["losses"], rtol=1e-4
+    )
+    assert "torch_eager" in markdown(report)
