@@ -197,7 +197,13 @@ def cotangents(outputs, seeds, targets, backend: str, templates: bool = True) ->
     from the recorded template (flame/grad_templates.py), the graph the rules built then.
     A backward that reads a value an in-place write changed after the forward used it is
     refused (PyTorch's version-counter error), naming both lines."""
-    total = _cotangents(outputs, seeds, targets, backend, templates)
+    from flame.amp.autocast_mode import _active
+
+    token = _active.set(None)  # backward ops run in the forward's dtypes, as PyTorch's
+    try:
+        total = _cotangents(outputs, seeds, targets, backend, templates)
+    finally:
+        _active.reset(token)
     if overwritten._overwritten:
         found = overwritten.find([total[id(t)].node for t in targets if id(t) in total])
         if found is not None:

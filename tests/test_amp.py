@@ -552,3 +552,15 @@ def test_the_benchmark_smoke_path_matches_torch():
         report["flame"]["losses"], report["torch_eager"]["losses"], rtol=1e-4
     )
     assert "torch_eager" in markdown(report)
+
+
+def test_backward_built_under_autocast_runs_in_the_forwards_dtypes(reference_backend):
+    # PyTorch does not autocast backward ops: the sum that undoes a broadcast stays bf16
+    w = fl.ones(4, dtype=fl.bfloat16).requires_grad_()
+    x = fl.ones(3, 4, dtype=fl.bfloat16)
+    with fl.autocast(dtype=fl.bfloat16):
+        y = x * w
+        y.backward(fl.ones(3, 4, dtype=fl.bfloat16))
+    graph = w.grad.ir()
+    assert w.grad.dtype is fl.bfloat16
+    assert "f32" not in graph, graph
