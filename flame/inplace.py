@@ -58,7 +58,10 @@ def memory_of(node: Node):
     storage = _storage_of(node)
     if storage is None:
         return None
-    view = View(tuple(node.shape), tuple(storage.strides()), 0)
+    strides = tuple(storage.strides())
+    if len(strides) != len(node.shape):  # a value kept in another shape (0-d as [1]): same
+        strides = _contiguous(node.shape)  # elements, C order
+    view = View(tuple(node.shape), strides, 0)
     for movement in reversed(chain):
         if movement.op == "detach":
             continue
@@ -202,11 +205,27 @@ def _needs_history(value: Tensor) -> bool:
 
 
 def _is_whole(view: View, storage) -> bool:
+    base = _base_shape(storage)
+    if view.shape != base and len(view.shape) != len(base):  # 0-d kept as [1], say
+        return (
+            view.offset == 0
+            and int(np.prod(view.shape)) == int(np.prod(base))
+            and tuple(view.strides) == _contiguous(view.shape)
+            and tuple(storage.strides()) == _contiguous(base)
+        )
     return (
         view.offset == 0
-        and view.shape == _base_shape(storage)
+        and view.shape == base
         and tuple(view.strides) == tuple(storage.strides())
     )
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _base_shape(storage) -> tuple[int, ...]:

@@ -103,11 +103,11 @@ def unbind(input: Tensor, dim: int = 0) -> tuple[Tensor, ...]:  # noqa: A002
 
 
 def clone(input: Tensor, memory_format=None) -> Tensor:  # noqa: A002
-    """A tensor of its own: a new node, never the input's node (an in-place write to the
-    clone must not reach the input). A product with one, not a same-dtype cast: the float64
-    oracle rounds at every cast, which would make a clone lose precision there."""
+    """A tensor of its own: a new node, never the input's node, and once realized memory of
+    its own (an in-place write to the clone must not reach the input): the ``copy`` op, which
+    no pass folds away (``x * 1`` is simplified to ``x``, whose memory it would then share)."""
     checked_tensor("clone", input)
-    return apply("bitwise_or", input, False) if input.dtype.is_bool else apply("mul", input, 1)
+    return apply("copy", input)
 
 
 def contiguous(self: Tensor, memory_format=None) -> Tensor:

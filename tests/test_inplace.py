@@ -400,3 +400,13 @@ def test_in_place_ops_with_scalars_work_on_the_tensors_own_backend():
         t.add_(1)
     assert t.backend == "reference"
     np.testing.assert_array_equal(t.numpy(), np.full(3, 3.0))
+
+
+def test_a_realized_clone_has_memory_of_its_own(backend):
+    # on the GPU, clone as ``x * 1`` was simplified to x and the realized clone shared x's
+    # memory: a write into the clone (an EMA copy of a model, say) changed the model
+    x = fl.ones(8).realize()
+    y = fl.clone(x).realize()
+    y.add_(1)
+    np.testing.assert_array_equal(x.numpy(), np.ones(8))
+    np.testing.assert_array_equal(y.numpy(), np.full(8, 2.0))

@@ -373,7 +373,7 @@ def test_cuda_gives_the_reference_numbers_for_the_same_seed(name):
             weight = fl.empty(96, 80)
         # called outside the backend's context: the tensor's own backend is used
         fl.manual_seed(21)
-        first = initialise(weight, None).numpy()
+        first = initialise(weight, None).numpy().copy()  # numpy() shares the memory
         generator = fl.Generator().manual_seed(22)
         second = initialise(weight, generator).numpy()
         results[backend_name] = (first, second)

@@ -152,6 +152,7 @@ def torch_function(torch, name, attrs):
     functional = torch.nn.functional
     special = {
         "neg": torch.neg,
+        "copy": torch.clone,
         "div": torch.true_divide,
         "floordiv": torch.floor_divide,
         "remainder": torch.remainder,

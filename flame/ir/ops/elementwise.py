@@ -115,6 +115,9 @@ def _elementwise(name, ref, cuda, arity=1, **extra):
 
 
 _elementwise("neg", np.negative, {"f": "(-{0})", "i": "(-{0})"}, categories="if")
+# the same values in memory of their own (``clone``): no pass folds it away, so a realized
+# clone never shares the memory of its input (as ``x * 1`` would, once simplified to x)
+_elementwise("copy", lambda x: np.array(x, copy=True), {"f": "{0}", "i": "{0}", "b": "{0}"})
 _elementwise(
     "abs", np.abs, {"f": "fabsf({0})", "i": "({0} < 0 ? -{0} : {0})", "b": "{0}"},
 )  # fmt: skip
@@ -365,6 +368,7 @@ def _minmax_vjp(pick_first):
 
 for _name, _rule in {
     "neg": lambda F, g, out, x: (-g,),
+    "copy": lambda F, g, out, x: (g,),
     "abs": lambda F, g, out, x: (g * F.sign(x),),
     "exp": lambda F, g, out, x: (g * out,),
     "log": lambda F, g, out, x: (g / x,),
