@@ -250,3 +250,28 @@ def test_a_reduction_kernel_writes_no_reordering_view_of_its_result(reference_ba
             assert all(node.op != "slice" for node in group.outputs), group
     expected = np.arange(12, dtype=np.float32).reshape(3, 4)[::-1].reshape(-1)
     np.testing.assert_allclose(reversed_rows.flatten().numpy(), expected)
+
+
+def test_many_sibling_reductions_are_split_into_kernels_of_bounded_size(cuda_backend):
+    # 200 bias gradients of one shape share a row key; one kernel for all of them needed
+    # 200 KiB of shared memory and failed in ptxas (a 200-layer model's backward)
+    from flame.ir.passes.fuse import MAX_REDUCE_OUTPUTS
+
+    xs = [fl.randn(16, 64, seed=i) for i in range(80)]
+    sums = [x.sum(0) for x in xs]
+    graph = run_pipeline(Graph(tuple(s.node for s in sums)))
+    reduce_groups = [g for g in graph.groups if g.kind == "reduce"]
+    assert len(reduce_groups) == 3
+    assert all(len(g.outputs) <= MAX_REDUCE_OUTPUTS for g in reduce_groups)
+    written = {id(node) for g in reduce_groups for node in g.outputs}
+    assert all(id(s.node) in written for s in sums)
+
+
+@pytest.mark.gpu
+def test_many_sibling_reductions_compute_on_gpu():
+    with fl.backend("cuda"):
+        xs = [fl.randn(16, 64, seed=i) for i in range(80)]
+        sums = fl.realize(*[x.sum(0) for x in xs])
+        expected = [x.numpy().sum(0) for x in xs]
+    for got, want in zip(sums, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)

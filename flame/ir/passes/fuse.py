@@ -42,6 +42,8 @@ from flame.ir.passes.row_keys import (
 )
 from flame.ir.views import MOVEMENT_OPS, View, resolve, storage_view
 
+MAX_REDUCE_OUTPUTS = 32  # values one reduce kernel writes (its shared-memory scratch, 1 KiB each)
+
 
 def library_view(node: Node, computed: bool = True):
     """``(base, view)`` when ``node`` is a chain of views over one value a library call can
@@ -240,6 +242,15 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
     pending = list(_split_views_of_roots(grouping, buckets))
     while pending:
         (kind, key, _depth_), roots = pending.pop(0)
+        if kind == "reduce" and len(roots) > MAX_REDUCE_OUTPUTS:
+            # a reduction kernel keeps a block-sized scratch row per reduction in shared
+            # memory (48 KiB at most): 200 bias gradients of one shape are several kernels
+            roots = sorted(roots, key=lambda node: position[id(node)])
+            pending[0:0] = [
+                ((kind, key, _depth_), roots[start : start + MAX_REDUCE_OUTPUTS])
+                for start in range(0, len(roots), MAX_REDUCE_OUTPUTS)
+            ]
+            continue
         group_key = key if kind == "reduce" else None
         members = grouping.members(roots, group_key)
         if kind == "reduce" and not any(get_op(n.op).kind == "reduce" for n in members):
