@@ -209,18 +209,24 @@ class Module:
 
     # --- walking --------------------------------------------------------------------------
     def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate=True):
+        # a stack, not recursion: nested generators cost a frame per level for every item,
+        # and an EMA or an optimizer walks a model of hundreds of modules every step
         if memo is None:
             memo = set()
-        if remove_duplicate:
-            if id(self) in memo:
-                return
-            memo.add(id(self))
-        yield prefix, self
-        for name, module in self._modules.items():
-            if module is None:
-                continue
-            sub = prefix + ("." if prefix else "") + name
-            yield from module.named_modules(memo, sub, remove_duplicate)
+        stack = [(prefix, self)]
+        while stack:
+            prefix, module = stack.pop()
+            if remove_duplicate:
+                if id(module) in memo:
+                    continue
+                memo.add(id(module))
+            yield prefix, module
+            children = [
+                (f"{prefix}.{name}" if prefix else name, child)
+                for name, child in module._modules.items()
+                if child is not None
+            ]
+            stack.extend(reversed(children))
 
     def modules(self):
         for _, module in self.named_modules():
@@ -258,15 +264,23 @@ class Module:
         yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
 
     def parameters(self, recurse: bool = True):
-        for _, param in self.named_parameters(recurse=recurse):
-            yield param
+        yield from self._members("_parameters", recurse)
+
+    def _members(self, table: str, recurse: bool) -> list:
+        """The values of ``table`` over the tree, each once (``parameters()`` without names)."""
+        found, seen = [], set()
+        for _, module in self.named_modules() if recurse else [("", self)]:
+            for value in getattr(module, table).values():
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    found.append(value)
+        return found
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
         yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
 
     def buffers(self, recurse: bool = True):
-        for _, buffer in self.named_buffers(recurse=recurse):
-            yield buffer
+        yield from self._members("_buffers", recurse)
 
     def get_submodule(self, target: str) -> Module:
         module = self
