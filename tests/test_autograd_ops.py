@@ -97,6 +97,7 @@ def _torch_elementwise(name, attrs):
         "softplus": lambda x: functional.softplus(x, attrs["beta"], attrs["threshold"]),
         "leaky_relu": lambda x: functional.leaky_relu(x, attrs["negative_slope"]),
         "silu": functional.silu,
+        "copy": torch.clone,
     }
     return special.get(name) or getattr(torch, name)
 

@@ -275,3 +275,20 @@ def test_many_sibling_reductions_compute_on_gpu():
         expected = [x.numpy().sum(0) for x in xs]
     for got, want in zip(sums, expected):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cyclic_components_are_the_strongly_connected_components(rng):
+    import networkx as nx
+
+    from flame.ir.passes.cycles import cyclic_components
+
+    for _ in range(200):
+        n = int(rng.integers(2, 30))
+        needs = [
+            {j for j in range(n) if j != i and rng.random() < 0.08} for i in range(n)
+        ]  # fmt: skip
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(n))
+        graph.add_edges_from((i, j) for i, sources in enumerate(needs) for j in sources)
+        expected = sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+        assert sorted(sorted(c) for c in cyclic_components(needs)) == expected

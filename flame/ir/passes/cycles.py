@@ -12,18 +12,69 @@ from __future__ import annotations
 from flame.ir.graph import Group
 
 
-def split_in_two(groups: list[Group], chosen: int, needs: list[set[int]], members) -> list | None:
+def cyclic_components(needs: list[set[int]]) -> list[set[int]]:
+    """The kernels that wait for each other: the strongly connected components of more than
+    one kernel of the graph ``index -> needs[index]`` (Tarjan's algorithm, without
+    recursion: one pass over the kernels and their edges)."""
+    index_of: dict[int, int] = {}
+    low: dict[int, int] = {}
+    on_stack: set[int] = set()
+    stack: list[int] = []
+    found: list[set[int]] = []
+    counter = 0
+    for start in range(len(needs)):
+        if start in index_of:
+            continue
+        work = [(start, iter(sorted(needs[start])))]
+        index_of[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            advanced = False
+            for target in edges:
+                if target not in index_of:
+                    index_of[target] = low[target] = counter
+                    counter += 1
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(needs[target]))))
+                    advanced = True
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index_of[target])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index_of[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def split_in_two(groups: list[Group], chosen: int, readers: list[list[int]], members):
     """The roots of ``groups[chosen]`` as ``[early, late]``: ``late`` roots read (themselves
     or through other late roots of the kernel) a value of a kernel that waits, directly or
-    not, for this one. ``needs``: per kernel, the kernels it reads; ``members(root)``: what
-    a kernel computing ``root`` computes. None when either part would be empty."""
+    not, for this one. ``readers``: per kernel, the kernels that read it; ``members(root)``:
+    what a kernel computing ``root`` computes. None when either part would be empty."""
     group = groups[chosen]
     waiting: set[int] = set()
     stack = [chosen]
     while stack:
         current = stack.pop()
-        for index, sources in enumerate(needs):
-            if current in sources and index not in waiting and index != chosen:
+        for index in readers[current]:
+            if index not in waiting and index != chosen:
                 waiting.add(index)
                 stack.append(index)
     producer = {id(out): index for index, other in enumerate(groups) for out in other.outputs}

@@ -31,7 +31,7 @@ from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
-from flame.ir.passes.cycles import split_in_two
+from flame.ir.passes.cycles import cyclic_components, split_in_two
 from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
@@ -105,6 +105,8 @@ class _Grouping:
         self.graph = graph
         self.materialized = materialized
         self.extra: dict[int, tuple[Node, str]] = {}
+        self._keys: dict[int, object] = {}  # reduction_key per root (materialized is fixed)
+        self._members: dict[int, list[Node]] = {}  # root_members per root
 
     def members(self, roots: list[Node], key) -> list[Node]:
         found: dict[int, Node] = {}
@@ -121,6 +123,14 @@ class _Grouping:
             found[id(node)] = node
             stack.extend(node.inputs)
         return list(found.values())
+
+    def root_members(self, root: Node) -> list[Node]:
+        """What a kernel computing ``root`` alone computes (kept: asked again and again
+        while cycles are split)."""
+        found = self._members.get(id(root))
+        if found is None:
+            found = self._members[id(root)] = self.members([root], self.reduction_key(root))
+        return found
 
     def _admit(self, node: Node, key) -> bool:
         kind = get_op(node.op).kind
@@ -145,6 +155,12 @@ class _Grouping:
         the key of a materialized reduction over the root's own shape that it reads (then
         the root is one more pass of that reduction's kernel: layer norm's dx after the
         row statistics)."""
+        if id(root) in self._keys:
+            return self._keys[id(root)]
+        key = self._keys[id(root)] = self._reduction_key(root)
+        return key
+
+    def _reduction_key(self, root: Node):
         seen: set[int] = set()
         stack = [root]
         joinable, refused = [], set()
@@ -382,20 +398,35 @@ def _order_groups(groups: list[Group], materialized) -> list[Group]:
     return [groups[index] for index in order]
 
 
-def _needs(groups: list[Group], materialized) -> list[set[int]]:
-    """Per kernel, the other kernels whose written values it reads."""
+def _needs(groups: list[Group], materialized, reads: dict | None = None) -> list[set[int]]:
+    """Per kernel, the other kernels whose written values it reads. ``reads``: a cache of
+    each group's materialized reads (by ``id`` of the group, which must stay alive while
+    the cache does), for passes that ask again after changing a few groups."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
-    needs: list[set[int]] = [set() for _ in groups]
+    needs: list[set[int]] = []
     for index, group in enumerate(groups):
-        for node in group.nodes:
-            for child in node.inputs:
-                if group.kind == "library":  # it reads the base of a view in place
-                    view = library_view(child)
-                    child = view[0] if view else child
-                source = producer.get(id(child))
-                if source is not None and source != index and id(child) in materialized:
-                    needs[index].add(source)
+        found = reads.get(id(group)) if reads is not None else None
+        if found is None:
+            found = _materialized_reads(group, materialized)
+            if reads is not None:
+                reads[id(group)] = found
+        sources = {producer.get(key) for key in found}
+        sources.discard(None)
+        sources.discard(index)
+        needs.append(sources)
     return needs
+
+
+def _materialized_reads(group: Group, materialized) -> frozenset[int]:
+    found = set()
+    for node in group.nodes:
+        for child in node.inputs:
+            if group.kind == "library":  # it reads the base of a view in place
+                view = library_view(child)
+                child = view[0] if view else child
+            if id(child) in materialized:
+                found.add(id(child))
+    return frozenset(found)
 
 
 def fuse(graph: Graph, saved=()) -> Graph:
@@ -416,33 +447,48 @@ def fuse(graph: Graph, saved=()) -> Graph:
         for key, (node, reason) in extra.items():
             materialized[key] = node
             reasons[key] = reason
+    grouping = _Grouping(graph, materialized)  # fixed from here on: its answers are kept
+    position = {id(node): index for index, node in enumerate(graph.nodes)}
+    reads: dict[int, frozenset[int]] = {}
+    alive = list(groups)  # the groups the cache is keyed by, kept alive with it
     for _ in range(len(groups) + 1):
-        try:
-            ordered = _order_groups(groups, materialized)
+        # every cycle between kernels found at once (strongly connected components) and
+        # one kernel of each split per round: a deep model's backward has a few cycles per
+        # layer, and one cycle a round made fusion quadratic in the depth
+        needs = _needs(groups, materialized, reads)
+        alive += groups
+        components = cyclic_components(needs)
+        if not components:
             break
-        except _Cycle as cycle:  # split the kernels on the cycle into one kernel per value
-            groups = _split_cycle(graph, groups, cycle.members, materialized, reasons)
+        groups = _split_cycles(groups, components, grouping, position, reasons, needs)
+    ordered = _order_groups(groups, materialized)
     # row kernels take over the column reductions of the rows they read (row_columns.py)
     ordered = _order_groups(attach_columns(graph, ordered, materialized), materialized)
     return Graph(graph.outputs, graph.name, tuple(ordered))
 
 
-def _split_cycle(graph, groups, on_cycle, materialized, reasons) -> list[Group]:
-    grouping = _Grouping(graph, materialized)
-    position = {id(node): index for index, node in enumerate(graph.nodes)}
-    # split one kernel per round, the smallest that can be split: big row kernels stay whole
-    splittable = [i for i in on_cycle if len(groups[i].outputs) > 1]
-    chosen = min(splittable, key=lambda i: len(groups[i].outputs)) if splittable else None
+def _split_cycles(groups, components, grouping, position, reasons, needs) -> list[Group]:
+    """One kernel of each cycle split: the smallest that can be split (big row kernels stay
+    whole), in two when its values split into those that wait for no kernel waiting for it
+    and the rest (a forward value merged with the backward that needs a matmul of it), else
+    into one kernel per value."""
+    readers: list[list[int]] = [[] for _ in groups]
+    for index, sources in enumerate(needs):
+        for source in sources:
+            readers[source].append(index)
+    split: dict[int, list] = {}
+    for component in components:
+        splittable = [i for i in component if len(groups[i].outputs) > 1]
+        if splittable:
+            chosen = min(splittable, key=lambda i: (len(groups[i].outputs), i))
+            parts = split_in_two(groups, chosen, readers, grouping.root_members)
+            split[chosen] = parts or [[root] for root in groups[chosen].outputs]
     result = []
     for index, group in enumerate(groups):
-        if index != chosen:
+        if index not in split:
             result.append(group)
             continue
-        # in two when its values split into those that wait for no kernel waiting for it and
-        # the rest (a forward value merged with the backward that needs a matmul of it)
-        members = lambda root: grouping.members([root], grouping.reduction_key(root))  # noqa: E731
-        parts = split_in_two(groups, chosen, _needs(groups, materialized), members)
-        for roots in parts or [[root] for root in group.outputs]:
+        for roots in split[index]:
             key = next(filter(None, map(grouping.reduction_key, roots)), None)
             found = sorted(grouping.members(roots, key), key=lambda n: position[id(n)])
             has_reduce = any(get_op(n.op).kind == "reduce" for n in found)
