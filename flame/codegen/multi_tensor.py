@@ -22,7 +22,7 @@ from flame.ir.graph import Group
 from flame.ir.node import Node
 from flame.records import Record
 
-CHUNK = 65536  # elements per block: long enough to stream, short enough to balance
+CHUNK = 16384  # elements per block: 4+ blocks per SM for a few large tensors (AdamW of an MLP)
 
 
 class MultiTensorLowered(Record, frozen=True):
