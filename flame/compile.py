@@ -221,6 +221,7 @@ class CompiledFunction:
         else:
             reason, kind = "a .grad the trace read or wrote changed (None vs set)", "miss"
         start = time.perf_counter()
+        _give_memory_to_closed_over(self.fn)
         program = self._build(args, names)
         with self._lock:
             self._programs[exact] = program
@@ -470,3 +471,34 @@ def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as 
     if fn is None:
         return functools.partial(compile, static_argnames=static_argnames, cuda_graph=cuda_graph)
     return _front(CompiledFunction(fn, static_argnames, cuda_graph))
+
+
+def _give_memory_to_closed_over(fn) -> None:
+    """Realize the lazy tensors ``fn`` closes over (its closure cells and the globals its code
+    names, and the items of lists, tuples and dicts there): a program reads closed-over
+    tensors through their memory, so an in-place write to one (``running.add_(x)``, with
+    ``running = fl.zeros(3)`` never computed) is a write the program repeats at every call,
+    not a rebinding seen only while tracing. Tensors reached through other objects (a
+    module's buffers) have memory already."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+    names = getattr(fn, "__globals__", {})
+    values += [names[name] for name in code.co_names if name in names]
+    lazy = []
+    for value in values:
+        items = value.values() if isinstance(value, dict) else value
+        for item in items if isinstance(value, (list, tuple, dict)) else (value,):
+            if isinstance(item, Tensor) and not item.is_realized:
+                lazy.append(item)
+    if lazy:
+        realize(*lazy)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True

@@ -410,3 +410,23 @@ def test_a_realized_clone_has_memory_of_its_own(backend):
     y.add_(1)
     np.testing.assert_array_equal(x.numpy(), np.ones(8))
     np.testing.assert_array_equal(y.numpy(), np.full(8, 2.0))
+
+
+def test_compiled_write_into_a_closed_over_lazy_tensor_happens_every_call(backend):
+    running = fl.zeros(3)  # never computed before the trace
+    table = {"count": fl.zeros(())}
+    step = fl.compile(lambda x: (running.add_(x), table["count"].add_(1)))
+    for _ in range(3):
+        step(fl.ones(3))
+    np.testing.assert_array_equal(running.numpy(), np.full(3, 3.0))
+    assert float(table["count"].item()) == 3.0
+
+    def local(x):  # a tensor made inside the function starts afresh at every call
+        buffer = fl.zeros(3)
+        buffer.add_(x)
+        return buffer
+
+    compiled = fl.compile(local)
+    for _ in range(3):
+        out = compiled(fl.ones(3))
+    np.testing.assert_array_equal(out.numpy(), np.ones(3))
