@@ -311,9 +311,14 @@ def save_checkpoint(
     with ``state_dict()`` (name -> flame.Tensor); ``extra``: a dict of JSON values or tensors."""
     tensors: dict[str, Tensor] = {}
     metadata = {"format": _FORMAT}
+    aliases: dict[str, str] = {}
     for prefix, owner in (("model.", model), ("ema.", ema)):
         if owner is not None:
-            tensors.update({prefix + name: value for name, value in owner.state_dict().items()})
+            kept, tied = _untie({prefix + name: v for name, v in owner.state_dict().items()})
+            tensors.update(kept)
+            aliases.update(tied)
+    if aliases:  # tied weights (an embedding shared with the output layer) stored once
+        metadata["flame.aliases"] = json.dumps(aliases)
     if optimizer is not None:
         state = optimizer.state_dict()
         numbers: dict[str, dict] = {}
@@ -362,12 +367,21 @@ def load_checkpoint(
         loaded = _load(path, on, chosen)
         return {name[len(prefix) :]: value for name, value in loaded.items()}
 
+    aliases = json.loads(metadata.get("flame.aliases", "{}"))
+    # every section is read and checked before anything is written: a checkpoint that does
+    # not fit (another model, another optimizer) leaves the objects as they were
+    loads = []
     for prefix, owner in (("model.", model), ("ema.", ema)):
         if owner is not None:
             if not any(entry.name.startswith(prefix) for entry in entries):
                 raise WeightsFileError(f"load_checkpoint: {path}: no {prefix[:-1]} tensors "
                                        "in this checkpoint")  # fmt: skip
-            owner.load_state_dict(section(prefix, backend))
+            values = section(prefix, backend)
+            for alias, kept in aliases.items():
+                if alias.startswith(prefix) and kept.startswith(prefix):
+                    values[alias[len(prefix) :]] = values[kept[len(prefix) :]]
+            plan = owner._load_plan(values, True) if hasattr(owner, "_load_plan") else None
+            loads.append((owner, values, plan))
     if optimizer is not None:
         document = _loads(metadata, "flame.optimizer", path)
         state: dict[int, dict] = {int(i): dict(v) for i, v in document["state"].items()}
@@ -378,6 +392,11 @@ def load_checkpoint(
         optimizer.load_state_dict({"state": state, "param_groups": document["param_groups"]})
     if scheduler is not None:
         _load_scheduler(scheduler, _loads(metadata, "flame.scheduler", path))
+    for owner, values, plan in loads:
+        if plan is not None:
+            owner._apply_load(plan, False)
+        else:
+            owner.load_state_dict(values)
     if rng and "flame.rng" in metadata:
         from flame.random import set_rng_state
 
@@ -386,6 +405,27 @@ def load_checkpoint(
     extra.update(section("extra.", backend))
     step = _loads(metadata, "flame.step", path) if "flame.step" in metadata else None
     return {"step": step, "extra": extra}
+
+
+def _untie(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``tensors`` with every entry that reads the same memory as an earlier one (the same
+    storage and view) left out, and ``{left-out key: kept key}``."""
+    from flame.inplace import memory_of
+
+    kept: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for key, value in tensors.items():
+        found = memory_of(value.node) if isinstance(value, Tensor) else None
+        if found is not None:
+            storage, view = found
+            where = (id(storage), view.offset, tuple(view.shape), tuple(view.strides))
+            if where in seen:
+                aliases[key] = seen[where]
+                continue
+            seen[where] = key
+        kept[key] = value
+    return kept, aliases
 
 
 def _scheduler_state(scheduler) -> dict:

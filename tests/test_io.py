@@ -514,3 +514,33 @@ def test_weights_benchmark_smoke(tmp_path, reference_backend):
     assert report["timings"]["mismatched_tensors"] == []
     assert set(report["timings"]["ms"]) == {"flame", "safetensors_numpy"}
     assert "flame.load_file" in (tmp_path / "weights.md").read_text()
+
+
+def test_checkpoint_of_tied_weights_round_trips_and_a_misfit_changes_nothing(
+    tmp_path, reference_backend
+):
+    import flame.nn as nn
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight  # GPT-style tied embedding
+
+    source = Tied()
+    optimizer = fl.optim.AdamW(source.parameters(), lr=0.1)
+    path = tmp_path / "tied.safetensors"
+    io.save_checkpoint(path, model=source, optimizer=optimizer, step=4)
+    target = Tied()
+    state = io.load_checkpoint(path, model=target, optimizer=fl.optim.AdamW(target.parameters()))
+    assert state["step"] == 4 and target.head.weight is target.emb.weight
+    np.testing.assert_array_equal(target.emb.weight.numpy(), source.emb.weight.numpy())
+    misfit = Tied()
+    before = misfit.emb.weight.numpy().copy()
+    two_groups = fl.optim.AdamW(
+        [{"params": [misfit.emb.weight]}, {"params": [fl.zeros(2).requires_grad_()]}]
+    )
+    with pytest.raises(ValueError, match="parameter groups"):
+        io.load_checkpoint(path, model=misfit, optimizer=two_groups)
+    np.testing.assert_array_equal(misfit.emb.weight.numpy(), before)

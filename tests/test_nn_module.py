@@ -366,3 +366,85 @@ def test_module_training_step_on_gpu():
             ref_opt.zero_grad()
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     assert step.cache_info().traces == 1
+
+
+# --- found in review: each a silent difference from PyTorch before its fix -----------------
+
+
+def test_state_dict_and_data_keep_sharing_memory_after_they_are_computed(reference_backend):
+    block = Block()
+    state = block.state_dict()
+    state["weight"].numpy()  # computed once: before the fix it then had memory of its own
+    data = block.weight.data
+    data.numpy()
+    with fl.no_grad():
+        block.weight.add_(1)
+    np.testing.assert_array_equal(state["weight"].numpy(), np.full((4, 4), 2.0))
+    np.testing.assert_array_equal(data.numpy(), np.full((4, 4), 2.0))
+    data.mul_(3)  # a write through .data reaches the parameter, as PyTorch's
+    np.testing.assert_array_equal(block.weight.numpy(), np.full((4, 4), 6.0))
+    assert block.weight.requires_grad and not data.requires_grad
+
+
+def test_load_state_dict_refuses_a_dtype_it_cannot_convert_before_writing(reference_backend):
+    block = Block()
+    bad = {"weight": np.full((4, 4), 7.0, np.float32), "bias": np.zeros(4, np.complex64),
+           "steps": np.zeros(1, np.float32)}  # fmt: skip
+    with pytest.raises(RuntimeError, match="bias"):
+        block.load_state_dict(bad)
+    np.testing.assert_array_equal(block.weight.numpy(), np.ones((4, 4)))
+
+
+def test_deepcopy_gives_a_model_with_memory_of_its_own(reference_backend):
+    import copy
+
+    net = Net()
+    twin = copy.deepcopy(net)
+    assert isinstance(twin.first.weight, nn.Parameter) and twin.first.weight.requires_grad
+    assert twin.shared is twin.first  # sharing inside the model is kept
+    with fl.no_grad():
+        net.first.weight.add_(1)
+    np.testing.assert_array_equal(twin.first.weight.numpy(), np.ones((4, 4)))
+    x = fl.ones(2, 4).requires_grad_()
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(x * 2)
+
+
+def test_is_leaf_follows_autograd_not_whether_a_value_was_computed(reference_backend):
+    x = fl.ones(3).requires_grad_()
+    y = x * 2
+    assert x.is_leaf and not y.is_leaf
+    y.realize()
+    assert not y.is_leaf and fl.ones(2).is_leaf
+
+
+def test_parameter_list_append_of_a_refused_value_leaves_no_gap(reference_backend):
+    params = nn.ParameterList([fl.zeros(2)])
+    with pytest.raises(TypeError):
+        params.append(np.ones(2))
+    params.append(fl.ones(3))
+    assert len(params) == 2 and [n for n, _ in params.named_parameters()] == ["0", "1"]
+
+
+def test_an_averaged_model_inside_a_parent_resumes_its_count(reference_backend):
+    from flame.optim import swa_utils
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Block()
+            decay = swa_utils.get_ema_multi_avg_fn(0.5)
+            self.ema = swa_utils.AveragedModel(self.model, multi_avg_fn=decay)
+
+    first = Holder()
+    for _ in range(3):
+        with fl.no_grad():
+            first.model.weight.add_(1)
+        first.ema.update_parameters(first.model)
+    second = Holder()
+    second.load_state_dict(first.state_dict())  # the parent's load writes n_averaged
+    with fl.no_grad():
+        second.model.weight.add_(1)
+    second.ema.update_parameters(second.model)  # an average, not a first-call copy
+    expected = 0.5 * first.ema.module.weight.numpy() + 0.5 * second.model.weight.numpy()
+    np.testing.assert_allclose(second.ema.module.weight.numpy(), expected)

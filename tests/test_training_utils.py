@@ -855,3 +855,14 @@ def test_lora_on_gpu_matches_reference():
         np.testing.assert_allclose(found[1][name], grad, rtol=1e-4, atol=1e-4, err_msg=name)
     np.testing.assert_allclose(found[2], expected[2], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(found[3], expected[3], rtol=1e-4, atol=1e-4)
+
+
+def test_inject_lora_that_refuses_a_layer_leaves_the_model_as_it_was(reference_backend):
+    from flame.nn.modules.container import Sequential
+    from flame.nn.modules.conv import Conv2d
+
+    model = Sequential(Conv2d(4, 4, 3), Conv2d(4, 4, 3, groups=4))  # the second: depthwise
+    with pytest.raises(NotImplementedError):
+        lora.inject_lora(model, ["0", "1"], rank=2)
+    assert type(model[0]) is Conv2d and type(model[1]) is Conv2d
+    assert all(param.requires_grad for param in model.parameters())

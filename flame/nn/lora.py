@@ -33,7 +33,7 @@ from collections import OrderedDict
 
 from flame.ir import dtypes
 from flame.nn.modules.module import Module
-from flame.nn.parameter import Parameter
+from flame.nn.parameter import Parameter, alias
 from flame.tensor import Tensor
 
 __all__ = [
@@ -237,11 +237,23 @@ def inject_lora(model: Module, target_modules, rank: int = 8, alpha: float = 8,
     ]  # fmt: skip
     if not found:
         raise ValueError(f"inject_lora: no module of the model matches {target_modules!r}")
-    wrappers = [(name, _wrapper_for(name, module)) for name, module in found]
+    # every wrapper is built (their checks run) before the model changes: a layer it
+    # refuses leaves the model as it was
+    flags = [(param, param.requires_grad) for param in model.parameters()]
+    try:
+        made = [(name, _wrapper_for(name, module)(module, rank, alpha, dropout))
+                for name, module in found]  # fmt: skip
+    except Exception:
+        for param, flag in flags:  # a wrapper built before the refusal froze its base
+            param.requires_grad_(flag)
+        raise
     model.requires_grad_(False)
-    for (name, module), (_, wrapper) in zip(found, wrappers):
+    for _, adapter in made:  # the adapters' own parameters train
+        for param in (adapter.lora_A, adapter.lora_B):
+            param.requires_grad_(True)
+    for name, adapter in made:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, wrapper(module, rank, alpha, dropout))
+        setattr(model.get_submodule(parent_name), child, adapter)
     return model
 
 
@@ -255,8 +267,8 @@ def lora_state_dict(model: Module) -> OrderedDict:
     state = OrderedDict()
     for name, layer in _adapters(model).items():
         prefix = name + "." if name else ""
-        state[prefix + "lora_A"] = layer.lora_A.detach()
-        state[prefix + "lora_B"] = layer.lora_B.detach()
+        state[prefix + "lora_A"] = alias(layer.lora_A)
+        state[prefix + "lora_B"] = alias(layer.lora_B)
     return state
 
 

@@ -64,6 +64,14 @@ class Parameter(Tensor):
     def __reduce_ex__(self, protocol):
         raise TypeError("Parameter: use state_dict() and flame.save_file to keep weights")
 
+    def __deepcopy__(self, memo):
+        """A parameter with memory of its own holding the same values (``copy.deepcopy(model)``,
+        the usual way to start an EMA copy); gradients are not copied."""
+        copied = memo.get(id(self))
+        if copied is None:
+            copied = memo[id(self)] = Parameter(_copy_values(self), self.requires_grad)
+        return copied
+
 
 class Buffer(Tensor):
     """``nn.Buffer(data, persistent=True)``: assigned to a module attribute, it registers
@@ -83,10 +91,54 @@ class Buffer(Tensor):
         pass
 
 
-def _get_data(self: Tensor) -> Tensor:
+def alias(tensor: Tensor) -> Tensor:
+    """``tensor``'s memory without autograd history: new nodes over the same storage (the
+    views ``tensor`` reads it through rebuilt, ``detach`` markers dropped), so that the alias
+    and the tensor keep sharing memory after either is computed (a ``detach`` node of a
+    computed value gets memory of its own). A lazy tensor (no memory yet): its detach."""
     from flame.autograd import detach
+    from flame.inplace import _storage_of, memory_of
 
-    return detach(self)
+    if memory_of(tensor.node) is None:
+        return detach(tensor)
+    node = tensor.node
+    chain = []
+    while _storage_of(node) is None:
+        if node.op != "detach":
+            chain.append(node)
+        node = node.inputs[0]
+    storage = _storage_of(node)
+    rebuilt = Node("buffer", (), (("storage", storage),), node.dtype, node.shape, node.site)
+    for view in reversed(chain):
+        rebuilt = Node(view.op, (rebuilt,), view.attrs, view.dtype, view.shape, view.site)
+    return Tensor(rebuilt, tensor.backend)
+
+
+def _copy_values(tensor: Tensor) -> Tensor:
+    from flame.autograd import no_grad
+    from flame.shaping import clone
+
+    with no_grad():
+        copied = clone(alias(tensor))
+    return copied.realize() if tensor.is_realized else copied
+
+
+def _deepcopy(self: Tensor, memo) -> Tensor:
+    if not self.is_leaf:
+        raise RuntimeError(
+            "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+            "protocol at the moment; detach() it first"
+        )
+    copied = memo.get(id(self))
+    if copied is None:
+        copied = memo[id(self)] = _copy_values(self)
+        if self.requires_grad:
+            copied.requires_grad_()
+    return copied
+
+
+def _get_data(self: Tensor) -> Tensor:
+    return alias(self)
 
 
 def _set_data(self: Tensor, value: Tensor) -> None:
@@ -99,6 +151,14 @@ def _set_data(self: Tensor, value: Tensor) -> None:
 
 
 Tensor.data = property(_get_data, _set_data)
-Tensor.is_leaf = property(
-    lambda self: self.node.op == "buffer" or self.node.buffer is not None or not self.requires_grad
-)
+Tensor.__deepcopy__ = _deepcopy
+def _is_leaf(self: Tensor) -> bool:
+    """PyTorch's rule: a tensor that does not require grad, or one that asked for it itself
+    (``requires_grad_``); not a value computed from one (computed or not)."""
+    info = self.node.grad_info
+    if info is not None and info.owner is not None and info.owner() is not None:
+        return True
+    return not self.requires_grad
+
+
+Tensor.is_leaf = property(_is_leaf)

@@ -264,10 +264,10 @@ class AveragedModel(Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self._count = None  # n_averaged may have changed: read it at the next update
-        return result
+    def _state_loaded(self) -> None:
+        """Called by ``load_state_dict`` (this module's or a parent's) after it wrote
+        ``n_averaged``: the host copy of the count is read again at the next update."""
+        self._count = None
 
     def _pairs(self, model: Module, with_buffers: bool):
         if with_buffers:

@@ -246,9 +246,10 @@ class ParameterList(Module):
         return self.extend(values)
 
     def append(self, value) -> ParameterList:
+        param = _as_parameter(value)  # first: a value it refuses leaves no gap
         index = self._size
         self._size += 1
-        setattr(self, str(index), _as_parameter(value))
+        setattr(self, str(index), param)
         return self
 
     def extend(self, values) -> ParameterList:

@@ -19,7 +19,7 @@ import itertools
 from collections import OrderedDict, namedtuple
 
 from flame.ir import dtypes
-from flame.nn.parameter import Buffer, Parameter, _own_node
+from flame.nn.parameter import Buffer, Parameter, _own_node, alias
 from flame.tensor import Tensor
 
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -399,10 +399,10 @@ class Module:
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name, param in self._parameters.items():
             if param is not None:
-                destination[prefix + name] = param if keep_vars else param.detach()
+                destination[prefix + name] = param if keep_vars else alias(param)
         for name, buffer in self._buffers.items():
             if buffer is not None and name not in self._non_persistent_buffers_set:
-                destination[prefix + name] = buffer if keep_vars else buffer.detach()
+                destination[prefix + name] = buffer if keep_vars else alias(buffer)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """An ordered ``{name: tensor}`` of parameters and persistent buffers, PyTorch's keys.
@@ -438,12 +438,17 @@ class Module:
 
         Everything is checked before anything is written: missing and unexpected keys (an
         error naming every one when ``strict``, reported in the result otherwise), wrong
-        shapes and values that are not tensors (always an error). On an error the module is
-        unchanged. Values may be FLAME tensors or NumPy arrays; they are cast to the
-        parameter's dtype and moved to its device, as ``copy_`` does."""
-        import numpy as np
+        shapes, values that are not tensors or whose dtype FLAME lacks (always an error). On
+        an error the module is unchanged. Values may be FLAME tensors or NumPy arrays; they
+        are cast to the parameter's dtype and moved to its device, as ``copy_`` does."""
+        plan = self._load_plan(state_dict, strict)
+        self._apply_load(plan, assign)
+        return _IncompatibleKeys(plan[1], plan[2])
 
-        from flame.autograd import no_grad
+    def _load_plan(self, state_dict, strict: bool):
+        """``(writes, missing, unexpected)`` for ``load_state_dict``, or its error: nothing
+        is written here (``flame.io.load_checkpoint`` checks every section first)."""
+        import numpy as np
 
         if not hasattr(state_dict, "keys"):
             raise TypeError(
@@ -485,15 +490,25 @@ class Module:
                     f"from checkpoint, the shape in current model is {list(current.shape)}."
                 )
                 continue
-            writes.append((module, table, name, current, value))
+            try:
+                source = _as_tensor(value, current)
+            except (TypeError, ValueError) as error:
+                errors.append(f"While copying the parameter named {key!r}: {error}")
+                continue
+            writes.append((module, table, name, current, source))
         if errors:
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
                 + "\n\t".join(errors)
             )
+        return writes, missing, unexpected
+
+    def _apply_load(self, plan, assign: bool) -> None:
+        from flame.autograd import no_grad
+
+        writes = plan[0]
         with no_grad():
-            for module, table, name, current, value in writes:
-                source = _as_tensor(value, current)
+            for module, table, name, current, source in writes:
                 if assign:
                     if table == "_parameters":
                         current.data = source
@@ -501,7 +516,10 @@ class Module:
                         getattr(module, table)[name] = source.realize()
                 else:
                     current.copy_(source)
-        return _IncompatibleKeys(missing, unexpected)
+        for module in {id(entry[0]): entry[0] for entry in writes}.values():
+            loaded = getattr(module, "_state_loaded", None)
+            if loaded is not None:  # a module that keeps host copies of its buffers
+                loaded()
 
     # --- calling and hooks ----------------------------------------------------------------
     def register_forward_pre_hook(self, hook, *, prepend=False, with_kwargs=False):
