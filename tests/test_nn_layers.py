@@ -576,7 +576,8 @@ def test_gpu_matches_the_reference_backend(case, rng):
     with fl.backend("reference"):
         fl.manual_seed(0)
         reference = case.make(None)
-        state = {key: value.numpy() for key, value in reference.state_dict().items()}
+        # numpy() shares the memory (as PyTorch's): copy before the forward updates it
+        state = {key: value.numpy().copy() for key, value in reference.state_dict().items()}
         want = run_flame(reference, arrays, case.forward, cotangent)
     with fl.backend("reference"):
         module = type(reference)(*case.args, **{**case.kwargs, "device": "cuda"})

@@ -538,7 +538,7 @@ def test_cuda_multihead_attention_matches_reference(need_weights, rng):
     with fl.backend("reference"):
         fl.manual_seed(1)
         reference = L["MultiheadAttention"](16, 4)
-        state = {key: value.numpy() for key, value in reference.state_dict().items()}
+        state = {key: value.numpy().copy() for key, value in reference.state_dict().items()}
     for backend_name in ("reference", "cuda"):
         with fl.backend(backend_name):
             layer = L["MultiheadAttention"](16, 4)

@@ -767,7 +767,7 @@ def _ema_run(backend_name, rng_seed, steps=3):
                 with fl.no_grad():
                     tensor.copy_(fl.from_numpy(value))
             ema.update_parameters(model)
-        return ema, model, {k: v.numpy() for k, v in ema.state_dict().items()}
+        return ema, model, {k: v.numpy().copy() for k, v in ema.state_dict().items()}
 
 
 @pytest.mark.gpu
@@ -819,7 +819,7 @@ def test_swa_on_gpu_matches_reference():
                             ).float()
                         )
                 swa.update_parameters(model)
-            results.append({k: v.numpy() for k, v in swa.state_dict().items()})
+            results.append({k: v.numpy().copy() for k, v in swa.state_dict().items()})
     for key, value in results[0].items():
         np.testing.assert_allclose(results[1][key], value, rtol=1e-6, atol=1e-6, err_msg=key)
 
