@@ -292,3 +292,38 @@ def test_cyclic_components_are_the_strongly_connected_components(rng):
         graph.add_edges_from((i, j) for i, sources in enumerate(needs) for j in sources)
         expected = sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
         assert sorted(sorted(c) for c in cyclic_components(needs)) == expected
+
+
+def test_a_deep_chain_is_split_in_a_few_rounds_not_one_per_layer(cuda_backend, monkeypatch):
+    # forward + backward of a 30-layer MLP: fusion merges a value of every layer into one
+    # kernel, which waits on itself through the matmuls; peeling one level a round made
+    # planning quadratic in the depth (200 layers: a minute). Levels are split at once.
+    import flame.ir.passes.fuse as fuse_module
+    import flame.nn.functional as F
+    from flame.autograd import cotangents
+
+    rounds = []
+    original = fuse_module._split_cycles
+
+    def counted(*args, **kwargs):
+        rounds.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fuse_module, "_split_cycles", counted)
+    from flame.runtime.storage import Storage
+
+    def memory(*shape):  # weights in memory, as a model's are (never computed here)
+        host = np.zeros(shape, np.float32)
+        node = Node("buffer", (), (("storage", Storage("cuda", fl.float32, host=host)),),
+                    fl.float32, shape, None)  # fmt: skip
+        return fl.Tensor(node, "cuda")
+
+    weights = [(memory(16, 16).requires_grad_(), memory(16).requires_grad_()) for _ in range(30)]
+    h = memory(4, 16)
+    for w, b in weights:
+        h = F.silu(h @ w.T + b)
+    loss = F.mse_loss(h, fl.zeros(4, 16))
+    targets = [w.node for w, _ in weights] + [b.node for _, b in weights]
+    grads = cotangents([loss], [fl.ones(())], targets, "cuda")
+    graph = run_pipeline(Graph(tuple(grads[id(t)].node for t in targets) + (loss.node,)))
+    assert graph.groups and len(rounds) <= 10, len(rounds)

@@ -101,3 +101,59 @@ def split_in_two(groups: list[Group], chosen: int, readers: list[list[int]], mem
     early = [root for root in group.outputs if id(root) not in late]
     rest = [root for root in group.outputs if id(root) in late]
     return [early, rest] if early and rest else None
+
+
+def split_by_levels(groups: list[Group], chosen: int, needs, reads: dict, members):
+    """The roots of ``groups[chosen]`` in as many parts as the dependencies through other
+    kernels need, all at once: each root's level is the largest number of times a path to
+    it leaves this kernel for another one (a root, another kernel reading it, a root reading
+    that, ...); roots of one level share a kernel. ``split_in_two`` done repeatedly peels
+    one level a round (a deep model's backward merges a value of every layer into one
+    kernel: one round per layer). ``reads``: per group (by id) the materialized values it
+    reads; None when the kernels other than this one still wait for each other in a cycle
+    (then ``split_in_two`` decides) or when one level would hold every root."""
+    import graphlib
+
+    group = groups[chosen]
+    own = {id(root): root for root in group.outputs}
+    producer = {id(out): index for index, other in enumerate(groups) for out in other.outputs}
+    graph: dict[tuple, set[tuple]] = {}  # node -> its predecessors
+    for index, sources in enumerate(needs):
+        if index == chosen:
+            continue
+        preds = graph.setdefault(("k", index), set())
+        for source in sources:
+            if source != chosen:
+                preds.add(("k", source))
+        if chosen in sources:
+            preds.update(("r", key) for key in reads.get(id(groups[index]), ()) if key in own)
+    for key, root in own.items():
+        found = members(root)
+        inside = {id(node) for node in found}
+        preds = graph.setdefault(("r", key), set())
+        for node in found:
+            for child in node.inputs:
+                if id(child) in inside:
+                    continue
+                if id(child) in own:
+                    preds.add(("r", id(child)))
+                elif producer.get(id(child)) not in (None, chosen):
+                    preds.add(("k", producer[id(child)]))
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError:
+        return None
+    level: dict[tuple, int] = {}
+    for node in order:
+        best = 0
+        for pred in graph.get(node, ()):
+            # leaving this kernel for another one and coming back costs a level
+            step = 1 if pred[0] == "r" and node[0] == "k" else 0
+            best = max(best, level.get(pred, 0) + step)
+        level[node] = best
+    parts: dict[int, list] = {}
+    for root in group.outputs:
+        parts.setdefault(level[("r", id(root))], []).append(root)
+    if len(parts) < 2:
+        return None
+    return [parts[key] for key in sorted(parts)]

@@ -31,7 +31,7 @@ from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
-from flame.ir.passes.cycles import cyclic_components, split_in_two
+from flame.ir.passes.cycles import cyclic_components, split_by_levels, split_in_two
 from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
@@ -460,14 +460,14 @@ def fuse(graph: Graph, saved=()) -> Graph:
         components = cyclic_components(needs)
         if not components:
             break
-        groups = _split_cycles(groups, components, grouping, position, reasons, needs)
+        groups = _split_cycles(groups, components, grouping, position, reasons, needs, reads)
     ordered = _order_groups(groups, materialized)
     # row kernels take over the column reductions of the rows they read (row_columns.py)
     ordered = _order_groups(attach_columns(graph, ordered, materialized), materialized)
     return Graph(graph.outputs, graph.name, tuple(ordered))
 
 
-def _split_cycles(groups, components, grouping, position, reasons, needs) -> list[Group]:
+def _split_cycles(groups, components, grouping, position, reasons, needs, reads) -> list[Group]:
     """One kernel of each cycle split: the smallest that can be split (big row kernels stay
     whole), in two when its values split into those that wait for no kernel waiting for it
     and the rest (a forward value merged with the backward that needs a matmul of it), else
@@ -481,8 +481,11 @@ def _split_cycles(groups, components, grouping, position, reasons, needs) -> lis
         splittable = [i for i in component if len(groups[i].outputs) > 1]
         if splittable:
             chosen = min(splittable, key=lambda i: (len(groups[i].outputs), i))
-            parts = split_in_two(groups, chosen, readers, grouping.root_members)
+            parts = split_by_levels(groups, chosen, needs, reads, grouping.root_members)
+            if parts is None:
+                parts = split_in_two(groups, chosen, readers, grouping.root_members)
             split[chosen] = parts or [[root] for root in groups[chosen].outputs]
+
     result = []
     for index, group in enumerate(groups):
         if index not in split:
