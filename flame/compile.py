@@ -470,7 +470,37 @@ def compile(fn=None, *, static_argnames=(), cuda_graph=None):  # noqa: A001 (as 
     captures."""
     if fn is None:
         return functools.partial(compile, static_argnames=static_argnames, cuda_graph=cuda_graph)
+    from flame.nn.modules.module import Module
+
+    if isinstance(fn, Module):  # model = fl.compile(model): still the model to its user
+        return CompiledModule(fn, _front(CompiledFunction(fn.__call__, static_argnames,
+                                                          cuda_graph)))  # fmt: skip
     return _front(CompiledFunction(fn, static_argnames, cuda_graph))
+
+
+class CompiledModule:
+    """What ``flame.compile(module)`` returns: calls go to the compiled ``module.__call__``;
+    every other attribute is the module's (``parameters()``, ``train()``, ``state_dict()``
+    with the module's own keys -- PyTorch's ``OptimizedModule`` prefixes them with
+    ``_orig_mod.``), and ``_orig_mod`` is the module, as in PyTorch."""
+
+    def __init__(self, module, compiled):
+        object.__setattr__(self, "_orig_mod", module)
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "cache_info", compiled.cache_info)
+        object.__setattr__(self, "programs", compiled.programs)
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._orig_mod, name)
+
+    def __setattr__(self, name, value) -> None:
+        setattr(self._orig_mod, name, value)
+
+    def __repr__(self) -> str:
+        return f"CompiledModule({self._orig_mod!r})"
 
 
 def _give_memory_to_closed_over(fn) -> None:

@@ -448,3 +448,17 @@ def test_an_averaged_model_inside_a_parent_resumes_its_count(reference_backend):
     second.ema.update_parameters(second.model)  # an average, not a first-call copy
     expected = 0.5 * first.ema.module.weight.numpy() + 0.5 * second.model.weight.numpy()
     np.testing.assert_allclose(second.ema.module.weight.numpy(), expected)
+
+
+def test_compiling_a_module_keeps_it_a_module_to_its_user(reference_backend):
+    net = Net()
+    compiled = fl.compile(net)
+    x = fl.ones(2, 4)
+    for _ in range(3):
+        out = compiled(x)
+    np.testing.assert_allclose(out.numpy(), net(x).numpy())
+    assert compiled.cache_info().traces == 1 and compiled._orig_mod is net
+    assert list(compiled.state_dict()) == list(net.state_dict())
+    assert len(list(compiled.parameters())) == 10
+    compiled.eval()
+    assert not net.training
