@@ -46,7 +46,20 @@ def _reverse_repeat_tuple(values, times: int) -> tuple:
 
 
 class _ConvNd(Module):
-    """What the convolutions share: checks, parameters, initialisation, ``repr``."""
+    """What the convolutions share: checks, parameters, initialisation, ``repr``, and the
+    forward of the plain ones (``_convolve``: their functional op)."""
+
+    _convolve = None
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            input = pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0,) * len(self.kernel_size)
+        return self._convolve(input, weight, bias, self.stride, padding, self.dilation, self.groups)
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return self._conv_forward(input, self.weight, self.bias)
 
     __constants__ = [
         "stride", "padding", "dilation", "groups", "padding_mode", "output_padding",
@@ -168,14 +181,7 @@ class Conv1d(_ConvNd):
             _single(dilation), False, _single(0), groups, bias, padding_mode, device, dtype,
         )  # fmt: skip
 
-    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
-        if self.padding_mode != "zeros":
-            padded = pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return conv1d(padded, weight, bias, self.stride, _single(0), self.dilation, self.groups)
-        return conv1d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
-        return self._conv_forward(input, self.weight, self.bias)
+    _convolve = staticmethod(conv1d)
 
 
 class Conv2d(_ConvNd):
@@ -202,14 +208,7 @@ class Conv2d(_ConvNd):
             _pair(dilation), False, _pair(0), groups, bias, padding_mode, device, dtype,
         )  # fmt: skip
 
-    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: A002
-        if self.padding_mode != "zeros":
-            padded = pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return conv2d(padded, weight, bias, self.stride, _pair(0), self.dilation, self.groups)
-        return conv2d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
-        return self._conv_forward(input, self.weight, self.bias)
+    _convolve = staticmethod(conv2d)
 
 
 class _ConvTransposeNd(_ConvNd):
