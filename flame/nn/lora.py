@@ -278,7 +278,8 @@ def load_lora_state_dict(model: Module, state_dict, strict: bool = True):
     merged layer is unmerged, written and merged again. Everything is checked before
     anything is written; returns ``(missing_keys, unexpected_keys)``."""
     from flame.autograd import no_grad
-    from flame.nn.modules.module import _as_tensor, _IncompatibleKeys
+    from flame.nn.modules.loading import _as_tensor
+    from flame.nn.modules.module import _IncompatibleKeys
 
     targets = {}
     for name, layer in _adapters(model).items():
@@ -300,13 +301,17 @@ def load_lora_state_dict(model: Module, state_dict, strict: bool = True):
                     f"load_lora_state_dict: {key} has shape {list(value.shape)}, the adapter "
                     f"{list(param.shape)} (adapters must share the rank)"
                 )
+            try:  # converted now: a value that cannot be leaves every adapter as it was
+                value = _as_tensor(value, param)
+            except (TypeError, ValueError) as error:
+                raise RuntimeError(f"load_lora_state_dict: {key}: {error}") from error
             writes.append((layer, param, value))
     remerge = {id(layer): layer for layer, _, _ in writes if layer.merged}
     for layer in remerge.values():
         layer.unmerge()
     with no_grad():
         for _, param, value in writes:
-            param.copy_(_as_tensor(value, param))
+            param.copy_(value)
     for layer in remerge.values():
         layer.merge()
     return _IncompatibleKeys(missing, unexpected)

@@ -19,6 +19,7 @@ import itertools
 from collections import OrderedDict, namedtuple
 
 from flame.ir import dtypes
+from flame.nn.modules import loading
 from flame.nn.parameter import Buffer, Parameter, _own_node, alias
 from flame.tensor import Tensor
 
@@ -408,8 +409,9 @@ class Module:
         """An ordered ``{name: tensor}`` of parameters and persistent buffers, PyTorch's keys.
         The tensors share the module's memory (``keep_vars=False`` detaches them)."""
         if args:  # PyTorch's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][
-                len(args):])[:3]
+            destination, prefix, keep_vars = (
+                list(args) + [destination, prefix, keep_vars][len(args) :]
+            )[:3]
         if destination is None:
             destination = OrderedDict()
         self._save_to_state_dict(destination, prefix, keep_vars)
@@ -418,19 +420,6 @@ class Module:
                 module.state_dict(destination=destination, prefix=prefix + name + ".",
                                   keep_vars=keep_vars)  # fmt: skip
         return destination
-
-    def _state_entries(self):
-        """``{key: (module, table, name)}`` for every entry ``state_dict`` would hold."""
-        entries = {}
-        for prefix, module in self.named_modules(remove_duplicate=False):
-            base = prefix + "." if prefix else ""
-            for name, param in module._parameters.items():
-                if param is not None:
-                    entries[base + name] = (module, "_parameters", name)
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    entries[base + name] = (module, "_buffers", name)
-        return entries
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Copy ``state_dict``'s values into the module's parameters and buffers (their memory
@@ -448,78 +437,10 @@ class Module:
     def _load_plan(self, state_dict, strict: bool):
         """``(writes, missing, unexpected)`` for ``load_state_dict``, or its error: nothing
         is written here (``flame.io.load_checkpoint`` checks every section first)."""
-        import numpy as np
-
-        if not hasattr(state_dict, "keys"):
-            raise TypeError(
-                f"Expected state_dict to be dict-like, got {type(state_dict).__name__}."
-            )
-        entries = self._state_entries()
-        missing = [key for key in entries if key not in state_dict]
-        unexpected = [key for key in state_dict if key not in entries]
-        errors = []
-        if strict:
-            if unexpected:
-                errors.append(
-                    "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected)
-                    + ". "
-                )  # fmt: skip
-            if missing:
-                errors.append(
-                    "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". "
-                )
-        writes = []
-        for key, (module, table, name) in entries.items():
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            current = getattr(module, table)[name]
-            if isinstance(value, np.ndarray) or (
-                hasattr(value, "__array__") and not isinstance(value, Tensor)
-            ):
-                value = np.asarray(value)
-            elif not isinstance(value, Tensor):
-                errors.append(
-                    f'While copying the parameter named "{key}", expected a flame tensor or '
-                    f"array from checkpoint but received {type(value).__name__}"
-                )
-                continue
-            if tuple(value.shape) != tuple(current.shape):
-                errors.append(
-                    f"size mismatch for {key}: copying a param with shape {list(value.shape)} "
-                    f"from checkpoint, the shape in current model is {list(current.shape)}."
-                )
-                continue
-            try:
-                source = _as_tensor(value, current)
-            except (TypeError, ValueError) as error:
-                errors.append(f"While copying the parameter named {key!r}: {error}")
-                continue
-            writes.append((module, table, name, current, source))
-        if errors:
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
-                + "\n\t".join(errors)
-            )
-        return writes, missing, unexpected
+        return loading.plan(self, state_dict, strict)
 
     def _apply_load(self, plan, assign: bool) -> None:
-        from flame.autograd import no_grad
-
-        writes = plan[0]
-        with no_grad():
-            for module, table, name, current, source in writes:
-                if assign:
-                    if table == "_parameters":
-                        current.data = source
-                    else:
-                        getattr(module, table)[name] = source.realize()
-                else:
-                    current.copy_(source)
-        for module in {id(entry[0]): entry[0] for entry in writes}.values():
-            loaded = getattr(module, "_state_loaded", None)
-            if loaded is not None:  # a module that keeps host copies of its buffers
-                loaded()
+        loading.apply(plan, assign)
 
     # --- calling and hooks ----------------------------------------------------------------
     def register_forward_pre_hook(self, hook, *, prepend=False, with_kwargs=False):
@@ -656,16 +577,3 @@ def _parse_to(*args, dtype=None, device=None, non_blocking=False, copy=False, me
     if dtype is not None:
         dtype = dtypes.dtype(dtype)
     return dtype, device
-
-
-def _as_tensor(value, current: Tensor) -> Tensor:
-    """``value`` (a FLAME tensor or an array) as a tensor on ``current``'s backend."""
-    from flame.backend import backend as use_backend
-    from flame.creation import tensor as make_tensor
-
-    if isinstance(value, Tensor):
-        if value.backend == current.backend:
-            return value
-        value = value.numpy()
-    with use_backend(current.backend):
-        return make_tensor(value)
