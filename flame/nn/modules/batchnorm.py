@@ -17,8 +17,8 @@ from flame.backend import backend as use_backend
 from flame.creation import ones, tensor, zeros
 from flame.ir import dtypes
 from flame.nn import init
-from flame.nn.modules.linear import empty_parameter
 from flame.nn.modules.module import Module
+from flame.nn.modules.normalization import affine_parameters, reset_affine
 from flame.nn.normalization import batch_norm
 from flame.tensor import Tensor
 
@@ -49,21 +49,11 @@ class _NormBase(Module):
         self.momentum = momentum
         self.affine = affine
         self.track_running_stats = track_running_stats
-        if affine:
-            self.weight = empty_parameter((num_features,), device, dtype)
-            if bias:
-                self.bias = empty_parameter((num_features,), device, dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        affine_parameters(self, (num_features,), affine, bias, device, dtype)
         if track_running_stats:
             dtype = dtypes.float32 if dtype is None else dtypes.dtype(dtype)
             self.register_buffer("running_mean", zeros(num_features, dtype=dtype, device=device))
             self.register_buffer("running_var", ones(num_features, dtype=dtype, device=device))
-            # fl.tensor, not fl.zeros(()): a realized 0-d constant has a view that writes
-            # refuse (View(shape=(), strides=(1,)), flame/inplace.py)
             count = tensor(0, dtype=dtypes.int64, device=device)
             self.register_buffer("num_batches_tracked", count)
         else:
@@ -82,10 +72,7 @@ class _NormBase(Module):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def _check_input_dim(self, input: Tensor) -> None:  # noqa: A002 (PyTorch's name)
         raise NotImplementedError

@@ -258,6 +258,13 @@ class _ConvTransposeNd(_ConvNd):
                 )
         return tuple(size - smallest for size, smallest in zip(output_size, min_sizes))
 
+    def forward(self, input: Tensor, output_size=None) -> Tensor:  # noqa: A002
+        output_padding = self._output_padding(input, output_size, len(self.kernel_size))
+        return self._convolve(
+            input, self.weight, self.bias, self.stride, self.padding, output_padding,
+            self.groups, self.dilation,
+        )  # fmt: skip
+
 
 class ConvTranspose1d(_ConvTransposeNd):
     """Transposed 1-d convolution: input [N, C_in, L] (or [C_in, L]), weight
@@ -285,12 +292,7 @@ class ConvTranspose1d(_ConvTransposeNd):
             dtype,
         )  # fmt: skip
 
-    def forward(self, input: Tensor, output_size=None) -> Tensor:  # noqa: A002
-        output_padding = self._output_padding(input, output_size, 1)
-        return conv_transpose1d(
-            input, self.weight, self.bias, self.stride, self.padding, output_padding,
-            self.groups, self.dilation,
-        )  # fmt: skip
+    _convolve = staticmethod(conv_transpose1d)
 
 
 class ConvTranspose2d(_ConvTransposeNd):
@@ -318,9 +320,4 @@ class ConvTranspose2d(_ConvTransposeNd):
             _pair(dilation), _pair(output_padding), groups, bias, padding_mode, device, dtype,
         )  # fmt: skip
 
-    def forward(self, input: Tensor, output_size=None) -> Tensor:  # noqa: A002
-        output_padding = self._output_padding(input, output_size, 2)
-        return conv_transpose2d(
-            input, self.weight, self.bias, self.stride, self.padding, output_padding,
-            self.groups, self.dilation,
-        )  # fmt: skip
+    _convolve = staticmethod(conv_transpose2d)

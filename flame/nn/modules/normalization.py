@@ -12,6 +12,23 @@ from flame.nn.modules.linear import empty_parameter
 from flame.nn.modules.module import Module
 from flame.tensor import Tensor
 
+
+def affine_parameters(module: Module, shape, affine: bool, bias: bool, device, dtype) -> None:
+    """A norm's ``weight`` and ``bias`` of ``shape`` (None where ``affine``/``bias`` say so),
+    PyTorch's registration of them (shared by the norms here and in batchnorm.py)."""
+    module.register_parameter("weight", empty_parameter(shape, device, dtype) if affine else None)
+    has_bias = affine and bias
+    module.register_parameter("bias", empty_parameter(shape, device, dtype) if has_bias else None)
+
+
+def reset_affine(module: Module) -> None:
+    """Ones for ``weight``, zeros for ``bias``, where they exist."""
+    if module.weight is not None:
+        init.ones_(module.weight)
+    if module.bias is not None:
+        init.zeros_(module.bias)
+
+
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm"]
 
 
@@ -40,22 +57,11 @@ class LayerNorm(Module):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = empty_parameter(self.normalized_shape, device, dtype)
-            if bias:
-                self.bias = empty_parameter(self.normalized_shape, device, dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        affine_parameters(self, self.normalized_shape, elementwise_affine, bias, device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -93,22 +99,11 @@ class GroupNorm(Module):
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
-        if affine:
-            self.weight = empty_parameter((num_channels,), device, dtype)
-            if bias:
-                self.bias = empty_parameter((num_channels,), device, dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        affine_parameters(self, (num_channels,), affine, bias, device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        reset_affine(self)
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
