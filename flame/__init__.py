@@ -5,6 +5,7 @@ them as CUDA C, compiles them with NVRTC (cached in memory and on disk) and runs
 """
 
 from flame import (
+    backends,  # noqa: F401  (flame.backends.cudnn.enabled, as torch.backends)
     devices,  # noqa: F401  (x.device, x.to(device), x.cpu(), x.cuda())
     dtype_views,  # noqa: F401  (Tensor.double/byte/char/short/type)
     inplace_ops,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)

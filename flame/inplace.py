@@ -214,9 +214,7 @@ def _is_whole(view: View, storage) -> bool:
             and tuple(storage.strides()) == _contiguous(base)
         )
     return (
-        view.offset == 0
-        and view.shape == base
-        and tuple(view.strides) == tuple(storage.strides())
+        view.offset == 0 and view.shape == base and tuple(view.strides) == tuple(storage.strides())
     )
 
 

@@ -4,9 +4,11 @@ functional core of ``nn.MultiheadAttention``: in-projection, heads, masks, out-p
 with ``need_weights=False`` the heads go through ``scaled_dot_product_attention``, as
 PyTorch's do, and PyTorch's ``is_causal`` hint and error types are kept).
 
-Written with public FLAME ops, so they have autograd and run on every backend; the fused
-(flash) attention kernel is a later issue. As PyTorch's math path, a row whose every key is
-masked gives zeros (a "safe" softmax), not NaN; dropout draws from FLAME's generator.
+Float16 and bfloat16 attention without dropout is one fused op (``attention``,
+flame/ir/ops/attention.py: cuDNN's flash attention, or FLAME's own flash kernel; the
+[L, S] scores are never stored); other calls take the math path written with public FLAME
+ops (matmul, mask, softmax, dropout from FLAME's generator, matmul). As PyTorch's, a row
+whose every key is masked gives zeros (a "safe" softmax), not NaN.
 """
 
 from __future__ import annotations
@@ -111,9 +113,11 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p}"
         )
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if _fusable(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return _attention_op(query, key, value, attn_mask, is_causal, factor)
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
-    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = matmul(query, transpose(key, -2, -1)) * factor
     length, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -128,6 +132,64 @@ def scaled_dot_product_attention(
     if dropout_p > 0.0:
         weights = _functional().dropout(weights, dropout_p, training=True)
     return matmul(weights, value)
+
+
+# --- the fused op ------------------------------------------------------------------------------
+
+FUSED_DTYPES = ("float16", "bfloat16")
+MAX_FUSED_HEAD_DIM = 256
+
+
+def _fusable(query, key, value, attn_mask, dropout_p: float, enable_gqa: bool) -> bool:
+    """Whether the attention op (cuDNN's fused attention, or FLAME's flash kernel) computes
+    this call; the rest takes the math path above. The op covers 16-bit floats, head dims
+    that are multiples of 8 up to 256, up to 4 dims with key/value heads that equal the
+    query's (or divide them, with ``enable_gqa``), and masks that need no gradient; dropout
+    goes the math path (FLAME's generator there)."""
+    if dropout_p > 0.0 or query.dtype.name not in FUSED_DTYPES or query.ndim > 4:
+        return False
+    if not (query.dtype is key.dtype is value.dtype) or not key.ndim == value.ndim == query.ndim:
+        return False
+    if any(dim % 8 or dim > MAX_FUSED_HEAD_DIM for dim in (query.shape[-1], value.shape[-1])):
+        return False
+    if key.shape[:-1] != value.shape[:-1] or query.shape[:-3] != key.shape[:-3]:
+        return False
+    if query.ndim >= 3 and key.shape[-3] != query.shape[-3] and not enable_gqa:
+        return False
+    if attn_mask is not None and (attn_mask.ndim > query.ndim or attn_mask.requires_grad):
+        return False
+    return True
+
+
+def _four_dims(tensor: Tensor) -> Tensor:
+    return reshape(tensor, (1,) * (4 - tensor.ndim) + tuple(tensor.shape))
+
+
+def _attention_op(query, key, value, attn_mask, is_causal: bool, scale: float) -> Tensor:
+    from flame.ir.ops.attention import stats_slots, unpack
+    from flame.tensor import apply_op
+
+    q, k, v = _four_dims(query), _four_dims(key), _four_dims(value)
+    extra = ()
+    if attn_mask is not None:
+        checked_tensor("scaled_dot_product_attention", attn_mask)
+        if attn_mask.dtype.is_bool:
+            bias = where(attn_mask, 0.0, -math.inf).to(q.dtype)
+        else:
+            bias = attn_mask.to(q.dtype)
+        extra = (_four_dims(bias),)
+    packed = apply_op(
+        "attention", q, k, v, *extra, scale=float(scale), causal=bool(is_causal),
+        slots=stats_slots(q.dtype),
+    )  # fmt: skip
+    (out,) = unpack(_views(), packed, [(*q.shape[:3], v.shape[3])])
+    return reshape(out, (*query.shape[:-1], value.shape[-1]))
+
+
+def _views():
+    from flame.autograd import functions
+
+    return functions()
 
 
 # --- the functional form -----------------------------------------------------------------------

@@ -18,8 +18,8 @@ from flame.ir.shapes import ShapeError, prod
 from flame.joining import pad, stack
 from flame.linalg import matmul
 from flame.shaping import checked_tensor, shown, user_errors
-from flame.tensor import Tensor
-from flame.views import flip, reshape, transpose
+from flame.tensor import Tensor, apply_op
+from flame.views import reshape, transpose
 
 __all__ = [
     "bilinear", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear",
@@ -150,20 +150,16 @@ def _pad_spatial(x: Tensor, pairs, value: float = 0.0) -> Tensor:
     return pad(x, widths, value=value)
 
 
-def _conv2d(x: Tensor, weight: Tensor, bias, stride, pairs, dilation, groups: int) -> Tensor:
-    """conv2d of a batched ``x`` (arguments checked and normalized)."""
-    batch, channels = x.shape[0], x.shape[1]
-    out_channels, kernel = weight.shape[0], weight.shape[2:]
-    out_sizes = _output_sizes("conv2d", x, x.shape[2:], pairs, kernel, dilation, stride)
-    padded = _pad_spatial(x, pairs)
-    taps = kernel_taps(padded, kernel, dilation, stride, out_sizes)
-    columns = stack(taps, 2) if len(taps) > 1 else taps[0]  # [N, C, kh*kw, Ho, Wo]
-    per_group = channels // groups * prod(kernel)
-    columns = reshape(columns, (batch, groups, per_group, prod(out_sizes)))
-    matrix = reshape(weight, (groups, out_channels // groups, per_group))
-    result = reshape(matmul(matrix, columns), (batch, out_channels, *out_sizes))
+def _conv(op: str, x: Tensor, weight: Tensor, bias, stride, pairs, dilation, groups: int):
+    """The ``conv`` op over a batched ``x`` (arguments checked and normalized), plus bias;
+    ``op`` names the user's function in errors."""
+    _output_sizes(op, x, x.shape[2:], pairs, weight.shape[2:], dilation, stride)
+    result = apply_op(
+        "conv", x, weight, stride=tuple(stride), padding=tuple(pairs),
+        dilation=tuple(dilation), groups=groups,
+    )  # fmt: skip
     if bias is not None:
-        result = result + reshape(bias, (out_channels, 1, 1))
+        result = result + reshape(bias, (bias.shape[0],) + (1,) * (x.ndim - 2))
     return result
 
 
@@ -264,7 +260,7 @@ def conv2d(
     _positive(dilation, "conv2d", "dilation")
     pairs = _padding_pairs("conv2d", padding, weight.shape[2:], dilation, stride)
     x, unbatched = _batched(input, 2)
-    return _unbatched(_conv2d(x, weight, bias, stride, pairs, dilation, groups), unbatched)
+    return _unbatched(_conv("conv2d", x, weight, bias, stride, pairs, dilation, groups), unbatched)
 
 
 @user_errors
@@ -287,46 +283,39 @@ def conv1d(
     _positive((stride, dilation), "conv1d", "stride and dilation")
     pairs = _padding_pairs("conv1d", padding, weight.shape[2:], (dilation,), (stride,))
     x, unbatched = _batched(input, 1)
-    x = reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
-    kernel = reshape(weight, (weight.shape[0], weight.shape[1], 1, weight.shape[2]))
-    result = _conv2d(x, kernel, bias, (1, stride), ((0, 0), *pairs), (1, dilation), groups)
-    result = reshape(result, (result.shape[0], result.shape[1], result.shape[3]))
+    result = _conv("conv1d", x, weight, bias, (stride,), pairs, (dilation,), groups)
     return _unbatched(result, unbatched)
 
 
 # --- transposed convolution --------------------------------------------------------------------
 
 
-def _zero_inserted(x: Tensor, stride) -> Tensor:
-    """[N, C, H, W] -> [N, C, (H-1)*sh + 1, (W-1)*sw + 1] with sh-1 (sw-1) zeros between
-    neighbours: each entry padded into an [sh, sw] block, the trailing zeros cut."""
-    if stride == (1, 1):
-        return x
-    batch, channels, height, width = x.shape
-    blocks = reshape(x, (batch, channels, height, 1, width, 1))
-    blocks = pad(blocks, (0, stride[1] - 1, 0, 0, 0, stride[0] - 1))
-    spread = reshape(blocks, (batch, channels, height * stride[0], width * stride[1]))
-    return spread[:, :, : (height - 1) * stride[0] + 1, : (width - 1) * stride[1] + 1]
-
-
-def _conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation):
-    """conv_transpose2d of a batched ``x`` (arguments checked and normalized)."""
-    channels, per_group_out = weight.shape[0], weight.shape[1]
-    kernel = weight.shape[2:]
-    spread = _zero_inserted(x, stride)
-    pairs = []
-    for taps, spacing, low, extra in zip(kernel, dilation, padding, output_padding):
-        reach = spacing * (taps - 1)
-        pairs.append((reach - low, reach - low + extra))  # negative widths crop (F.pad's rule)
-    spread = _pad_spatial(spread, pairs)
-    # [in, out/g, kh, kw] -> [out, in/g, kh, kw], flipped: the adjoint of the convolution
-    grouped = reshape(weight, (groups, channels // groups, per_group_out, *kernel))
-    adjoint = reshape(
-        transpose(grouped, 1, 2), (groups * per_group_out, channels // groups, *kernel)
-    )
-    adjoint = flip(adjoint, (2, 3))
-    none = ((0, 0), (0, 0))
-    return _conv2d(spread, adjoint, bias, (1, 1), none, dilation, groups)
+def _conv_transpose(x, weight, bias, stride, padding, output_padding, groups, dilation):
+    """The transposed convolution of a batched ``x`` (arguments checked and normalized): the
+    input gradient of the convolution whose weight is ``weight`` [in, out/groups, *k], i.e.
+    one ``conv_data_grad``. ``output_padding`` extends the result at the end; the padding
+    pair says where its rows sit (after ``padding`` rows cut at the start)."""
+    sizes, pairs = [], []
+    for size, taps, step, spacing, low, extra in zip(
+        x.shape[2:], weight.shape[2:], stride, dilation, padding, output_padding
+    ):
+        sizes.append((size - 1) * step - 2 * low + spacing * (taps - 1) + extra + 1)
+        if extra < step:
+            pairs.append((low, low))
+        elif extra <= low:
+            pairs.append((low, low - extra))
+        else:
+            raise ValueError(
+                f"conv_transpose: output_padding {extra} >= stride {step} needs padding >= "
+                f"output_padding, got padding {low}"
+            )
+    result = apply_op(
+        "conv_data_grad", x, weight, stride=tuple(stride), padding=tuple(pairs),
+        dilation=tuple(dilation), groups=groups, input_size=tuple(sizes),
+    )  # fmt: skip
+    if bias is not None:
+        result = result + reshape(bias, (bias.shape[0],) + (1,) * (x.ndim - 2))
+    return result
 
 
 def _check_conv_transpose(op: str, input, weight, bias, groups: int, spatial: int) -> None:  # noqa: A002
@@ -401,7 +390,7 @@ def conv_transpose2d(
     _check_transposed_size(op, input, weight, *arguments)
     stride, padding, output_padding, dilation = arguments
     x, unbatched = _batched(input, 2)
-    result = _conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
+    result = _conv_transpose(x, weight, bias, stride, padding, output_padding, groups, dilation)
     return _unbatched(result, unbatched)
 
 
@@ -423,14 +412,8 @@ def conv_transpose1d(
     input, weight, bias = lower_precision(input, weight, bias)
     arguments = _transpose_arguments(op, 1, stride, padding, output_padding, dilation)
     _check_transposed_size(op, input, weight, *arguments)
-    stride, padding, output_padding, dilation = ((1, *values) for values in arguments)
-    padding = (0, padding[1])
-    output_padding = (0, output_padding[1])
     x, unbatched = _batched(input, 1)
-    x = reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
-    kernel = reshape(weight, (weight.shape[0], weight.shape[1], 1, weight.shape[2]))
-    result = _conv_transpose2d(x, kernel, bias, stride, padding, output_padding, groups, dilation)
-    result = reshape(result, (result.shape[0], result.shape[1], result.shape[3]))
+    result = _conv_transpose(x, weight, bias, *arguments[:3], groups, arguments[3])
     return _unbatched(result, unbatched)
 
 
@@ -501,6 +484,18 @@ def fold(input: Tensor, output_size, kernel_size, dilation=1, padding=0, stride=
         )
     result = _fold(x, out_size, padded_size, kernel, dilation, pairs, stride, tuple(blocks))
     return result if input.ndim == 3 else reshape(result, result.shape[1:])
+
+
+def _zero_inserted(x: Tensor, stride) -> Tensor:
+    """[N, C, H, W] -> [N, C, (H-1)*sh + 1, (W-1)*sw + 1] with sh-1 (sw-1) zeros between
+    neighbours: each entry padded into an [sh, sw] block, the trailing zeros cut."""
+    if stride == (1, 1):
+        return x
+    batch, channels, height, width = x.shape
+    blocks = reshape(x, (batch, channels, height, 1, width, 1))
+    blocks = pad(blocks, (0, stride[1] - 1, 0, 0, 0, stride[0] - 1))
+    spread = reshape(blocks, (batch, channels, height * stride[0], width * stride[1]))
+    return spread[:, :, : (height - 1) * stride[0] + 1, : (width - 1) * stride[1] + 1]
 
 
 def _fold(x, out_size, padded_size, kernel, dilation, pairs, stride, blocks) -> Tensor:

@@ -44,9 +44,7 @@ class Parameter(Tensor):
 
             data = empty(0)
         if not isinstance(data, Tensor):
-            raise TypeError(
-                f"Parameter: data must be a flame tensor, got {type(data).__name__}"
-            )
+            raise TypeError(f"Parameter: data must be a flame tensor, got {type(data).__name__}")
         self = object.__new__(cls)
         Tensor.__init__(self, _own_node(data), data.backend)
         if requires_grad:
@@ -152,6 +150,8 @@ def _set_data(self: Tensor, value: Tensor) -> None:
 
 Tensor.data = property(_get_data, _set_data)
 Tensor.__deepcopy__ = _deepcopy
+
+
 def _is_leaf(self: Tensor) -> bool:
     """PyTorch's rule: a tensor that does not require grad, or one that asked for it itself
     (``requires_grad_``); not a value computed from one (computed or not)."""

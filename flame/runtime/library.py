@@ -21,6 +21,8 @@ IMPLEMENTATION_MODULES = (
     "flame.runtime.library_indexing",
     "flame.runtime.library_joining",
     "flame.runtime.library_scan",
+    "flame.runtime.library_conv",
+    "flame.runtime.library_attention",
 )
 
 

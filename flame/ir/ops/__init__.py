@@ -1,6 +1,8 @@
 """Every op FLAME knows, declared once. Importing this package fills the registry."""
 
 from flame.ir.ops import (  # noqa: F401  (declarations register themselves)
+    attention,
+    conv,
     elementwise,
     indexing,
     joining,

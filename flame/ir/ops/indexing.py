@@ -41,9 +41,7 @@ def checked_index(op: str, index: np.ndarray, size: int, dim, wrap: bool = False
     if bad.any():
         value = index[bad].flat[0]
         where = "the flattened input" if dim is None else f"dim {dim}"
-        raise IndexOutOfBounds(
-            f"{op}: index {value} is out of bounds for {where} with size {size}"
-        )
+        raise IndexOutOfBounds(f"{op}: index {value} is out of bounds for {where} with size {size}")
     if wrap:
         index = np.where(index < 0, index + size, index)
     return index.astype(np.intp)

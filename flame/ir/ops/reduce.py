@@ -105,6 +105,8 @@ def _extreme_vjp(F, g, out, x, axes=()):
 def_vjp("reduce_sum", lambda F, g, out, x, axes=(): (F.expand(g, x.shape).to(x.dtype),))
 def_vjp("reduce_max", _extreme_vjp)
 def_vjp("reduce_min", _extreme_vjp)
+
+
 def _prod_vjp(F, g, out, x, axes=()):
     """PyTorch's rule: out / x where no element of the slice is 0; where one is, the
     product of the others at the zero and 0 elsewhere; where several are, 0."""

@@ -1,0 +1,19 @@
+"""``flame.backends.cudnn``: whether cuDNN computes convolutions and attention."""
+
+from __future__ import annotations
+
+enabled = True  # read at run time by flame/runtime/library_conv.py and library_attention.py
+
+
+def is_available() -> bool:
+    """Whether the cuDNN frontend and library load (True does not mean ``enabled``)."""
+    from flame.runtime import library_cudnn
+
+    return library_cudnn.status().reason in ("", "disabled by flame.backends.cudnn.enabled = False")
+
+
+def version() -> str | None:
+    """cuDNN's version ("9.10.2"), or None where it does not load."""
+    from flame.runtime import library_cudnn
+
+    return library_cudnn.status().version or None

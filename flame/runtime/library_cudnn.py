@@ -1,0 +1,215 @@
+"""cuDNN through its graph API (the ``nvidia-cudnn-frontend`` package, imported as ``cudnn``):
+the session (handle, stream binding, version) and execution plans cached per configuration.
+
+Plans: a configuration (operation, dtypes, every tensor's dims and strides, the op's
+attributes) is built once per process (``validate``, ``build_operation_graph``, heuristics A
+then FALLBACK, ``check_support``, ``build_plans``: 50-70 ms, up to ~1 s where cuDNN compiles a
+fused engine at run time) and kept in memory; the built graph is also serialized into
+FLAME's disk cache (keyed by the configuration, the cuDNN version and the GPU), so a fresh
+process deserializes it in about a millisecond instead of building it. Tensors carry fixed
+uids, so a plan restored from disk executes with the same variant pack as a fresh one.
+
+Execution: the handle is bound to FLAME's current stream (re-bound only when the stream
+changes), the workspace comes from CuPy's pool (FLAME's), and ``execute`` takes raw device
+pointers, so cuDNN calls sit in CUDA graphs like cuBLAS's. A failure names the FLAME op, the
+configuration and cuDNN's message.
+
+Whether cuDNN is used: ``flame.backends.cudnn.enabled`` (PyTorch's switch) and whether the
+package and library load; ``status()`` says which, for ``flame info``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from flame.records import Record
+
+_LOCK = threading.RLock()
+_SESSION: dict = {}  # filled once: module, handle, version, or the reason cuDNN is unusable
+_PLANS: dict[tuple, Plan] = {}
+
+# cuDNN data types by FLAME dtype name (bfloat16 arrays are uint16 bits in CuPy)
+_TYPE_NAMES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float64": "DOUBLE"}
+
+
+class CudnnError(RuntimeError):
+    """cuDNN refused or failed a configuration; the message names the op and the shapes."""
+
+
+class CudnnStatus(Record, frozen=True):
+    available: bool
+    version: str  # cuDNN's backend version ("9.10.2"), "" when unavailable
+    frontend: str  # the frontend package's version, "" when not importable
+    reason: str  # why cuDNN is not used ("" when it is)
+
+
+@dataclass
+class Plan:
+    graph: object
+    workspace: int
+    key: tuple
+    origin: str  # "built" | "disk"
+
+
+def _load() -> dict:
+    with _LOCK:
+        if _SESSION:
+            return _SESSION
+        try:
+            import cudnn
+        except ImportError as error:
+            _SESSION.update(reason=f"the cuDNN frontend is not installed ({error})", frontend="")
+            return _SESSION
+        _SESSION["frontend"] = getattr(cudnn, "__version__", "?")
+        try:
+            version = cudnn.backend_version()
+            handle = cudnn.create_handle()
+        except Exception as error:  # noqa: BLE001 (any failure to load the library)
+            _SESSION.update(reason=f"the cuDNN library did not load: {error}")
+            return _SESSION
+        major, minor, patch = version // 10000, version // 100 % 100, version % 100
+        _SESSION.update(
+            module=cudnn, handle=handle, version=f"{major}.{minor}.{patch}", reason="",
+            stream=None,
+        )  # fmt: skip
+        return _SESSION
+
+
+def status() -> CudnnStatus:
+    """Whether FLAME's convolutions and attention run through cuDNN, and if not, why."""
+    from flame.backends import cudnn as switch
+
+    session = _load()
+    reason = session.get("reason", "")
+    if not reason and not switch.enabled:
+        reason = "disabled by flame.backends.cudnn.enabled = False"
+    return CudnnStatus(
+        available=not reason, version=session.get("version", ""),
+        frontend=session.get("frontend", ""), reason=reason,
+    )  # fmt: skip
+
+
+def usable() -> bool:
+    from flame.backends import cudnn as switch
+
+    return switch.enabled and "module" in _load()
+
+
+def data_type(dtype_name: str):
+    return getattr(_load()["module"].data_type, _TYPE_NAMES[dtype_name])
+
+
+def _bind_stream(session: dict) -> None:
+    import cupy
+
+    stream = cupy.cuda.get_current_stream().ptr
+    if session["stream"] != stream:
+        session["module"].set_stream(handle=session["handle"], stream=stream)
+        session["stream"] = stream
+
+
+def _disk_key(key: tuple) -> str:
+    from flame.runtime.cache import DiskCache
+    from flame.runtime.device import target_arch
+
+    session = _load()
+    return DiskCache.key(
+        "cudnn-plan", session["version"], session["frontend"], target_arch(), repr(key)
+    )
+
+
+def _disk():
+    from flame.runtime.compiler import default_kernel_cache
+
+    return default_kernel_cache().disk
+
+
+def _new_graph(session: dict, io_type: str):
+    cudnn = session["module"]
+    return cudnn.pygraph(
+        io_data_type=data_type(io_type), intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT, handle=session["handle"],
+    )  # fmt: skip
+
+
+def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
+    """The plan for ``key``: from memory, else deserialized from disk, else built by
+    ``define(graph)`` (which adds the tensors, with uids, and the operations). ``describe``
+    names the op and its configuration in errors."""
+    found = _PLANS.get(key)
+    if found is not None:
+        return found
+    with _LOCK:
+        found = _PLANS.get(key)
+        if found is not None:
+            return found
+        session = _load()
+        cudnn = session["module"]
+        disk_key = _disk_key(key)
+        blob = _disk().get(disk_key)
+        graph = None
+        if blob is not None:
+            try:
+                graph = _new_graph(session, io_type)
+                graph.deserialize(session["handle"], list(blob))
+                origin = "disk"
+            except Exception:  # noqa: BLE001 (a stale or foreign blob: build it instead)
+                graph = None
+        if graph is None:
+            graph = _new_graph(session, io_type)
+            try:
+                define(graph)
+                graph.validate()
+                graph.build_operation_graph()
+                graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                graph.check_support()
+                graph.build_plans()
+            except Exception as error:  # noqa: BLE001 (cuDNN raises several types)
+                raise CudnnError(f"{describe}: cuDNN refused the configuration: {error}") from None
+            origin = "built"
+            try:
+                _disk().put(disk_key, bytes(graph.serialize()))
+            except Exception:  # noqa: BLE001 (a plan that does not serialize is rebuilt next time)
+                pass
+        made = Plan(graph, int(graph.get_workspace_size()), key, origin)
+        _PLANS[key] = made
+        return made
+
+
+def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
+    """Run a plan on FLAME's stream: ``pointers`` maps tensor uids to device addresses."""
+    import cupy
+
+    session = _load()
+    _bind_stream(session)
+    workspace = cupy.empty(max(made.workspace, 1), dtype=cupy.uint8)
+    try:
+        made.graph.execute(pointers, workspace.data.ptr, handle=session["handle"])
+    except Exception as error:  # noqa: BLE001
+        raise CudnnError(f"{describe}: cuDNN failed at run time: {error}") from None
+
+
+def plan_counts() -> dict[str, int]:
+    """How many plans this process holds, by origin (built here, read from disk)."""
+    counts: dict[str, int] = {}
+    for made in list(_PLANS.values()):
+        counts[made.origin] = counts.get(made.origin, 0) + 1
+    return counts
+
+
+def tensor(graph, uid: int, name: str, array, dtype_name: str, dims=None, strides=None):
+    """A graph tensor over a CuPy array's dims and element strides (or the given ones)."""
+    dims = list(array.shape) if dims is None else list(dims)
+    if strides is None:
+        strides = [stride // array.itemsize for stride in array.strides]
+    made = graph.tensor(name=name, dim=dims, stride=list(strides), data_type=data_type(dtype_name))
+    made.set_uid(uid)
+    return made
+
+
+def layout_key(array, dims=None, strides=None) -> tuple:
+    dims = tuple(array.shape) if dims is None else tuple(dims)
+    if strides is None:
+        strides = tuple(stride // array.itemsize for stride in array.strides)
+    return dims, tuple(strides)
