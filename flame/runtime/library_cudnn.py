@@ -52,10 +52,35 @@ class Plan:
     origin: str  # "built" | "disk"
 
 
+LIBRARY_NAME = "libcudnn.so.9"
+# where the nvidia-cudnn-cu12/-cu13 wheels put the library, under a site-packages directory
+WHEEL_DIRS = ("nvidia/cudnn/lib", "nvidia/cu13/lib", "nvidia/cu12/lib")
+
+
+def _preload_library() -> None:
+    """Load cuDNN from the ``nvidia-cudnn-cu*`` wheel when the frontend would not find it
+    (it looks in ``LD_LIBRARY_PATH``, beside itself and in the system): a library loaded by
+    its soname is the one the frontend's ``dlopen`` then gets."""
+    import ctypes
+    import sys
+    from pathlib import Path
+
+    for entry in sys.path:
+        for folder in WHEEL_DIRS:
+            candidate = Path(entry or ".") / folder / LIBRARY_NAME
+            if candidate.is_file():
+                try:
+                    ctypes.CDLL(str(candidate), mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    continue
+                return
+
+
 def _load() -> dict:
     with _LOCK:
         if _SESSION:
             return _SESSION
+        _preload_library()
         try:
             import cudnn
         except ImportError as error:
