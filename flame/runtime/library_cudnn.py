@@ -91,7 +91,7 @@ def _load() -> dict:
             version = cudnn.backend_version()
             handle = cudnn.create_handle()
         except Exception as error:  # noqa: BLE001 (any failure to load the library)
-            _SESSION.update(reason=f"the cuDNN library did not load: {error}")
+            _SESSION.update(reason=f"cuDNN could not start: {error}")
             return _SESSION
         major, minor, patch = version // 10000, version // 100 % 100, version % 100
         _SESSION.update(

@@ -63,11 +63,30 @@ def _run_info(arguments: argparse.Namespace) -> int:
         ("numpy", _module_version("numpy")),
     ]
     rows += _cuda_rows()
+    rows += _library_rows()
     rows += _cache_rows(None)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _library_rows() -> list[tuple[str, str]]:
+    """Which path convolutions and attention take: cuDNN, or FLAME's own kernels and why."""
+    try:
+        from flame.runtime import library_cudnn
+
+        status = library_cudnn.status()
+    except Exception as error:  # a broken install should be reported, not crash `info`
+        return [("cudnn", f"unavailable ({type(error).__name__}: {error})")]
+    if status.available:
+        path = f"{status.version} (frontend {status.frontend}): convolution and attention"
+        return [("cudnn", path)]
+    return [
+        ("cudnn", f"not used: {status.reason}"),
+        ("convolution", "FLAME's im2col fallback (CuPy + cuBLAS)"),
+        ("attention", "FLAME's flash-attention kernel"),
+    ]
 
 
 def _module_version(name: str) -> str:
