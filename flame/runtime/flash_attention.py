@@ -1,0 +1,333 @@
+"""Fused (flash) attention on the GPU: FLAME's own kernels behind
+``F.scaled_dot_product_attention`` where cuDNN refuses a case or is absent.
+
+Memory stays linear in the sequence lengths: scores are never stored whole. The kernels
+(``templates/flash_attention.cu.j2``) follow FlashAttention-2: tensor cores through inline PTX
+(``mma.sync.m16n8k16`` with bfloat16 or float16 inputs and float32 accumulators, ``ldmatrix``,
+``cp.async``), the softmax computed online in registers, tiles in shared memory.
+
+* forward: a block takes ``16 * warps`` query rows of one (batch, query head), a warp 16 of
+  them, and walks the key tiles; it writes ``o`` and the natural-log ``lse`` of each row.
+* backward: ``delta = rowsum(dO * O)`` first (one warp a row); then a block takes
+  ``16 * warps`` keys of one (batch, kv head) and walks every query head of its group and every
+  query tile. dK and dV stay with the thread that owns them (registers up to head dim 128, a
+  float32 global scratch beyond), so they need no atomics and GQA's sum over the query heads
+  of a group is a loop. **dQ is accumulated with float32 atomics in a scratch buffer** and
+  converted to the input dtype by a last small kernel.
+
+What is compiled in (the kernel key): the part (forward or backward), the dtype, the head dims
+``D`` and ``Dv``, ``causal``, whether there is a bias, and the tile configuration, which is a
+function of ``max(D, Dv)`` (``tiles``). Batch, heads, lengths and every stride are kernel
+arguments: new sizes never recompile.
+
+Inputs may be strided views with a unit last stride. The kernels read rows 16 bytes at a time,
+so a view whose base or row strides are not multiples of 16 bytes is copied first.
+
+Not yet run on a GPU when written: the GPU tests are ``tests/test_flash_attention.py -m gpu``
+and the speed probe ``notes/probes/flash_attention_bench.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+TEMPLATE = "flash_attention.cu.j2"
+PTX_TYPES = {"bfloat16": "bf16", "float16": "f16"}
+MAX_HEAD_DIM = 256
+ALIGN_ELEMENTS = 8  # 16 bytes of 16-bit elements: one cp.async chunk
+MAX_QUERY_TILES = 65535  # grid.y
+DELTA_WARPS = 8
+CONVERT_BLOCK = 256
+
+
+class ForwardTiles(NamedTuple):
+    warps: int  # query rows per block: 16 * warps
+    block_keys: int  # keys per tile
+    q_in_registers: bool  # Q's A fragments kept in registers across key tiles
+
+
+class BackwardTiles(NamedTuple):
+    warps: int  # keys per block: 16 * warps
+    block_queries: int  # queries per tile
+    accumulate_in_registers: bool  # dK, dV in registers, else in a float32 global scratch
+
+
+def tiles(head_dim: int, value_dim: int) -> tuple[ForwardTiles, BackwardTiles]:
+    """The tile configuration for a pair of head dims (untuned: first guesses from
+    FlashAttention-2's choices, sized so registers and shared memory fit)."""
+    widest = max(_padded(head_dim), _padded(value_dim))
+    if widest <= 64:
+        return ForwardTiles(4, 64, True), BackwardTiles(4, 64, True)
+    if widest <= 128:
+        return ForwardTiles(4, 64, True), BackwardTiles(4, 32, True)
+    return ForwardTiles(4, 32, False), BackwardTiles(4, 32, False)
+
+
+def _padded(dim: int) -> int:
+    return -(-dim // 16) * 16
+
+
+def forward_shared_bytes(head_dim: int, value_dim: int) -> int:
+    fwd, _ = tiles(head_dim, value_dim)
+    rows = 16 * fwd.warps
+    q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
+    return 2 * (rows * q_stride + fwd.block_keys * q_stride + fwd.block_keys * v_stride)
+
+
+def backward_shared_bytes(head_dim: int, value_dim: int) -> int:
+    _, bwd = tiles(head_dim, value_dim)
+    keys, queries = 16 * bwd.warps, bwd.block_queries
+    q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
+    elements = (keys + queries) * (q_stride + v_stride) + keys * (queries + 8)
+    return 2 * elements + 4 * 2 * queries
+
+
+def supports(head_dim: int, value_dim: int, dtype_name: str) -> str | None:
+    """None where these kernels handle the case, else the reason they do not."""
+    if dtype_name not in PTX_TYPES:
+        return f"flash attention kernels take bfloat16 or float16, not {dtype_name}"
+    for label, dim in (("head dim", head_dim), ("value head dim", value_dim)):
+        if dim % 8 or not 8 <= dim <= MAX_HEAD_DIM:
+            return f"{label} {dim} is not a multiple of 8 in 8..{MAX_HEAD_DIM}"
+    return None
+
+
+# --- kernels ----------------------------------------------------------------------------------
+
+
+def render(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bool,
+           has_bias: bool) -> tuple[str, str]:  # fmt: skip
+    """(kernel name prefix, CUDA source) of ``part`` ("forward" or "backward")."""
+    from flame.codegen.render import environment
+
+    fwd, bwd = tiles(head_dim, value_dim)
+    flags = ("c" if causal else "") + ("b" if has_bias else "")
+    name = f"flame_flash_{PTX_TYPES[dtype_name]}_d{head_dim}_v{value_dim}_{flags or 'plain'}"
+    template = environment().get_template(TEMPLATE)
+    source = template.render(
+        part=part,
+        name=name,
+        dtype=dtype_name,
+        ptx_type=PTX_TYPES[dtype_name],
+        head_dim=head_dim,
+        value_dim=value_dim,
+        head_dim_padded=_padded(head_dim),
+        value_dim_padded=_padded(value_dim),
+        causal=causal,
+        has_bias=has_bias,
+        fwd=fwd,
+        bwd=bwd,
+    )
+    return name, source
+
+
+_functions: dict[tuple, dict] = {}
+_modules: list = []  # a loaded module must outlive its functions
+_lock = threading.Lock()
+
+
+def _kernels(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bool,
+             has_bias: bool) -> dict:  # fmt: skip
+    """The loaded functions of ``part`` by short name, compiled through FLAME's kernel cache."""
+    key = (part, dtype_name, head_dim, value_dim, causal, has_bias)
+    functions = _functions.get(key)
+    if functions is not None:
+        return functions
+    import cupy
+    from cupy.cuda import driver
+
+    from flame.runtime.compiler import default_kernel_cache
+
+    name, source = render(*key)
+    _, cubin = default_kernel_cache().cubin(source, f"{name}_{part}")
+    entries = ("forward",) if part == "forward" else ("backward", "delta", "convert")
+    shared_bytes = forward_shared_bytes if part == "forward" else backward_shared_bytes
+    shared = shared_bytes(head_dim, value_dim)
+    with _lock:
+        if key not in _functions:
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            _modules.append(module)
+            loaded = {entry: module.get_function(f"{name}_{entry}") for entry in entries}
+            # above 48 KiB a block's dynamic shared memory must be asked for
+            driver.funcSetAttribute(
+                loaded[part].ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared
+            )
+            loaded["shared_bytes"] = shared
+            _functions[key] = loaded
+        return _functions[key]
+
+
+# --- host side --------------------------------------------------------------------------------
+
+
+def _strides(array) -> tuple[int, ...]:
+    return tuple(stride // array.itemsize for stride in array.strides)
+
+
+def _readable(array, name: str):
+    """``array`` as the kernels read it: last stride 1, rows 16-byte aligned (else a copy)."""
+    import cupy
+
+    assert array.ndim == 4, f"flash attention: {name} must be 4-d, got shape {array.shape}"
+    assert array.shape[-1] <= 1 or array.strides[-1] == array.itemsize, (
+        f"flash attention: {name}'s last axis must have stride 1, got strides {array.strides}"
+    )
+    aligned = array.data.ptr % 16 == 0 and all(
+        stride % ALIGN_ELEMENTS == 0 for stride in _strides(array)[:3]
+    )
+    return array if aligned else cupy.ascontiguousarray(array)
+
+
+def _storage(dtype_name: str):
+    return np.uint16 if dtype_name == "bfloat16" else np.float16
+
+
+def _check(q, k, v, dtype_name: str, bias):
+    reason = supports(q.shape[-1], v.shape[-1], dtype_name)
+    if reason is not None:
+        raise ValueError(f"flash attention: {reason}")
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        assert array.dtype == _storage(dtype_name), (
+            f"flash attention: {name} is {array.dtype}, expected {dtype_name} storage"
+        )
+    batch, heads, lq, head_dim = q.shape
+    _, kv_heads, lk, _ = k.shape
+    assert k.shape == (batch, kv_heads, lk, head_dim), f"k {k.shape} does not match q {q.shape}"
+    assert v.shape[:3] == (batch, kv_heads, lk), f"v {v.shape} does not match k {k.shape}"
+    assert kv_heads > 0 and heads % kv_heads == 0 or heads == 0, (
+        f"query heads {heads} are not a multiple of kv heads {kv_heads}"
+    )
+    if bias is not None:
+        assert bias.shape == (batch, heads, lq, lk), (
+            f"bias {bias.shape} is not [B, Hq, Lq, Lk] = {(batch, heads, lq, lk)}"
+        )
+        assert bias.dtype == np.float32, f"bias must be float32, got {bias.dtype}"
+
+
+def _bias_arguments(bias, dummy):
+    if bias is None:
+        return [dummy, *(np.int64(0),) * 4]
+    return [bias, *(np.int64(stride) for stride in _strides(bias))]
+
+
+def _stream():
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
+def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
+    """``(o, lse)``: o [B, Hq, Lq, Dv] in ``dtype``, lse float32 [B, Hq, Lq] (natural log of
+    the sum of exp of the scaled, biased scores; -inf where every key is masked)."""
+    import cupy
+
+    _check(q, k, v, dtype, bias)
+    batch, heads, lq, head_dim = q.shape
+    kv_heads, lk, value_dim = k.shape[1], k.shape[2], v.shape[-1]
+    o = cupy.zeros((batch, heads, lq, value_dim), dtype=_storage(dtype))
+    lse = cupy.full((batch, heads, lq), -np.inf, dtype=np.float32)
+    if o.size == 0 or lse.size == 0 or lk == 0:
+        return o, lse
+    q, k, v = _readable(q, "q"), _readable(k, "k"), _readable(v, "v")
+    kernels = _kernels("forward", dtype, head_dim, value_dim, causal, bias is not None)
+    fwd, _ = tiles(head_dim, value_dim)
+    query_tiles = -(-lq // (16 * fwd.warps))
+    assert query_tiles <= MAX_QUERY_TILES, f"Lq {lq} is too long for one grid column"
+    arguments = [
+        q, k, v, *_bias_arguments(bias, q)[:1], o, lse,
+        np.int32(heads), np.int32(heads // kv_heads), np.int32(lq), np.int32(lk),
+        *(np.int64(s) for s in _strides(q)[:3]),
+        *(np.int64(s) for s in _strides(k)[:3]),
+        *(np.int64(s) for s in _strides(v)[:3]),
+        *_bias_arguments(bias, q)[1:],
+        np.float32(scale * math.log2(math.e)),
+    ]  # fmt: skip
+    kernels["forward"](
+        (batch * heads, query_tiles),
+        (32 * fwd.warps,),
+        tuple(arguments),
+        shared_mem=kernels["shared_bytes"],
+        stream=_stream(),
+    )
+    return o, lse
+
+
+def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bias=None):
+    """``(dq, dk, dv)`` of ``forward``'s o for the incoming gradient ``do``, C-contiguous in
+    ``dtype``; dk and dv summed over the query heads that share a kv head."""
+    import cupy
+
+    _check(q, k, v, dtype, bias)
+    batch, heads, lq, head_dim = q.shape
+    kv_heads, lk, value_dim = k.shape[1], k.shape[2], v.shape[-1]
+    storage = _storage(dtype)
+    assert o.shape == do.shape == (batch, heads, lq, value_dim), (
+        f"o {o.shape} / do {do.shape} are not [B, Hq, Lq, Dv]"
+    )
+    assert lse.shape == (batch, heads, lq) and lse.dtype == np.float32, "lse: float32 [B, Hq, Lq]"
+    assert o.dtype == do.dtype == storage, f"o, do must be {dtype} storage"
+    if batch * heads * lq == 0 or lk == 0:  # no query or no key: every gradient is 0
+        zeros = [cupy.zeros(array.shape, dtype=storage) for array in (q, k, v)]
+        return tuple(zeros)
+    # the kernel writes every element of dk and dv; dq comes from its float32 scratch
+    dq = cupy.empty(q.shape, dtype=storage)
+    dk = cupy.empty(k.shape, dtype=storage)
+    dv = cupy.empty(v.shape, dtype=storage)
+    q, k, v = _readable(q, "q"), _readable(k, "k"), _readable(v, "v")
+    o, do = _readable(o, "o"), _readable(do, "do")
+    lse = cupy.ascontiguousarray(lse)
+    kernels = _kernels("backward", dtype, head_dim, value_dim, causal, bias is not None)
+    _, bwd = tiles(head_dim, value_dim)
+    stream = _stream()
+
+    rows = batch * heads * lq
+    delta = cupy.empty((batch, heads, lq), dtype=np.float32)
+    kernels["delta"](
+        (-(-rows // DELTA_WARPS),),
+        (32 * DELTA_WARPS,),
+        (
+            o, do, delta, np.int32(heads), np.int32(lq), np.int64(rows),
+            *(np.int64(s) for s in _strides(o)[:3]),
+            *(np.int64(s) for s in _strides(do)[:3]),
+        ),
+        stream=stream,
+    )  # fmt: skip
+
+    dq_acc = cupy.zeros(q.shape, dtype=np.float32)
+    if bwd.accumulate_in_registers:
+        dk_acc = dv_acc = delta  # unused by the kernel
+    else:
+        dk_acc = cupy.zeros(k.shape, dtype=np.float32)
+        dv_acc = cupy.zeros(v.shape, dtype=np.float32)
+    key_tiles = -(-lk // (16 * bwd.warps))
+    assert key_tiles <= MAX_QUERY_TILES, f"Lk {lk} is too long for one grid column"
+    bias_arguments = _bias_arguments(bias, q)
+    arguments = [
+        q, k, v, bias_arguments[0], do, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc,
+        np.int32(heads), np.int32(kv_heads), np.int32(heads // kv_heads),
+        np.int32(lq), np.int32(lk),
+        *(np.int64(s) for s in _strides(q)[:3]),
+        *(np.int64(s) for s in _strides(k)[:3]),
+        *(np.int64(s) for s in _strides(v)[:3]),
+        *(np.int64(s) for s in _strides(do)[:3]),
+        *bias_arguments[1:],
+        np.float32(scale), np.float32(scale * math.log2(math.e)),
+    ]  # fmt: skip
+    kernels["backward"](
+        (batch * kv_heads, key_tiles),
+        (32 * bwd.warps,),
+        tuple(arguments),
+        shared_mem=kernels["shared_bytes"],
+        stream=stream,
+    )
+    from flame.runtime.device import device_info
+
+    total = dq.size
+    blocks = max(1, min(-(-total // CONVERT_BLOCK), device_info().multiprocessors * 32))
+    kernels["convert"]((blocks,), (CONVERT_BLOCK,), (dq_acc, dq, np.int64(total)), stream=stream)
+    return dq, dk, dv
