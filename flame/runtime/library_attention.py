@@ -15,6 +15,8 @@ is expanded on those axes first (cuDNN broadcasts only batch and heads).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from flame.ir.node import Node
@@ -25,6 +27,11 @@ from flame.runtime.library_scan import _widened
 
 Q, K, V, BIAS, O, STATS, DO, DQ, DK, DV = range(1, 11)  # noqa: E741 (tensor uids in plans)
 _REFUSED: dict[tuple, str] = {}  # configurations cuDNN refused, with its reason
+
+
+class CudnnFallbackWarning(RuntimeWarning):
+    """cuDNN refused an attention configuration; FLAME's own kernel computes it (once per
+    configuration and process)."""
 
 
 def describe(node: Node) -> str:
@@ -166,6 +173,10 @@ def _try_cudnn(node, run) -> bool:
         if "refused" not in str(error):
             raise
         _REFUSED[key] = str(error)
+        warnings.warn(
+            f"{error}; FLAME's flash-attention kernel runs it instead", CudnnFallbackWarning,
+            stacklevel=2,
+        )  # fmt: skip
         return False
     return True
 
