@@ -37,8 +37,13 @@ RECYCLE_BYTES = 64 * 1024
 
 
 # Library routines known to run inside a CUDA-graph capture: device work only, no host
-# synchronization, results in memory they allocate (the capture keeps it).
-CAPTURABLE_LIBRARY_OPS = frozenset({"matmul", "cat", "pad"})
+# synchronization, results in memory they allocate (the capture keeps it). cuDNN's plans and
+# FLAME's flash-attention kernels capture; the CuPy convolution fallback does not (its cuBLAS
+# wrappers refuse), and a capture that fails runs the program step by step instead.
+CAPTURABLE_LIBRARY_OPS = frozenset(
+    {"matmul", "cat", "pad", "conv", "conv_data_grad", "conv_weight_grad", "attention",
+     "attention_backward"}
+)  # fmt: skip
 
 
 class LibraryCall(Record, frozen=True):

@@ -46,6 +46,14 @@ def _has_bias(node: Node) -> bool:
     return len(node.inputs) == (4 if node.op == "attention" else 6)
 
 
+def _bits(array, dtype_name: str):
+    """bfloat16 as uint16 bits, FLAME's storage (a buffer imported through DLPack may carry
+    CuPy's own bfloat16 dtype)."""
+    if dtype_name == "bfloat16" and array.dtype != np.uint16:
+        return array.view(np.uint16)
+    return array
+
+
 def _unit_last(array):
     import cupy
 
@@ -209,6 +217,7 @@ def _check_flash(node, q, v) -> None:
 def attention(node: Node, arrays: list):
     import cupy
 
+    arrays = [_bits(array, node.dtype.name) for array in arrays]
     q, k, v = (_unit_last(array) for array in arrays[:3])
     bias = arrays[3] if len(arrays) > 3 else None
     packed = cupy.empty(
@@ -239,6 +248,7 @@ def attention(node: Node, arrays: list):
 def attention_backward(node: Node, arrays: list):
     import cupy
 
+    arrays = [_bits(array, node.dtype.name) for array in arrays]
     q, k, v = (_unit_last(array) for array in arrays[:3])
     packed, d_out = arrays[3], _unit_last(arrays[4])
     bias = arrays[5] if len(arrays) > 5 else None

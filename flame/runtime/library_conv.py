@@ -55,9 +55,13 @@ def _dense(array) -> bool:
     return True
 
 
-def _readable(array):
+def _readable(array, dtype_name: str):
+    """The array as the calls read it: dense (else copied), bfloat16 as uint16 bits (a buffer
+    imported through DLPack may carry CuPy's own bfloat16 dtype)."""
     import cupy
 
+    if dtype_name == "bfloat16" and array.dtype != np.uint16:
+        array = array.view(np.uint16)
     return array if _dense(array) else cupy.ascontiguousarray(array)
 
 
@@ -124,7 +128,7 @@ def _empty(node: Node):
 
 @implements("conv")
 def conv(node: Node, arrays: list):
-    x, w = (_readable(array) for array in arrays)
+    x, w = (_readable(array, node.dtype.name) for array in arrays)
     out = _empty(node)
     if out.size == 0:
         return out
@@ -139,7 +143,7 @@ def conv(node: Node, arrays: list):
 
 @implements("conv_data_grad")
 def conv_data_grad(node: Node, arrays: list):
-    g, w = (_readable(array) for array in arrays)
+    g, w = (_readable(array, node.dtype.name) for array in arrays)
     out = _empty(node)
     if out.size == 0:
         return out
@@ -154,7 +158,7 @@ def conv_data_grad(node: Node, arrays: list):
 
 @implements("conv_weight_grad")
 def conv_weight_grad(node: Node, arrays: list):
-    x, g = (_readable(array) for array in arrays)
+    x, g = (_readable(array, node.dtype.name) for array in arrays)
     out = _empty(node)
     if out.size == 0:
         return out

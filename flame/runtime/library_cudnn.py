@@ -21,6 +21,7 @@ package and library load; ``status()`` says which, for ``flame info``.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 from flame.records import Record
@@ -50,6 +51,7 @@ class Plan:
     workspace: int
     key: tuple
     origin: str  # "built" | "disk"
+    ms: float  # what building (or deserializing) it cost
 
 
 LIBRARY_NAME = "libcudnn.so.9"
@@ -171,6 +173,7 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
             return found
         session = _load()
         cudnn = session["module"]
+        started = time.perf_counter()
         disk_key = _disk_key(key)
         blob = _disk().get(disk_key)
         graph = None
@@ -197,7 +200,8 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
                 _disk().put(disk_key, bytes(graph.serialize()))
             except Exception:  # noqa: BLE001 (a plan that does not serialize is rebuilt next time)
                 pass
-        made = Plan(graph, int(graph.get_workspace_size()), key, origin)
+        elapsed = (time.perf_counter() - started) * 1e3
+        made = Plan(graph, int(graph.get_workspace_size()), key, origin, elapsed)
         _PLANS[key] = made
         return made
 
@@ -213,6 +217,11 @@ def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
         made.graph.execute(pointers, workspace.data.ptr, handle=session["handle"])
     except Exception as error:  # noqa: BLE001
         raise CudnnError(f"{describe}: cuDNN failed at run time: {error}") from None
+
+
+def plan_times() -> list[tuple[str, str, float]]:
+    """(operation, origin, ms) of every plan this process holds, in the order made."""
+    return [(str(made.key[0]), made.origin, made.ms) for made in list(_PLANS.values())]
 
 
 def plan_counts() -> dict[str, int]:
