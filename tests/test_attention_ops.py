@@ -441,26 +441,31 @@ def test_gpu_matches_reference(case, dtype_name, cudnn_enabled, rng):
 
 @pytest.mark.gpu
 def test_long_sequence_never_stores_the_scores(cudnn_enabled, rng, cuda_backend):
-    """L = 4096, 2 heads: [L, L] scores would take 64 MiB in bfloat16 (128 MiB in float32);
-    forward and backward together allocate a small fraction of that (measured as the growth
-    of CuPy's pool, which keeps freed blocks, so its total is the high-water mark)."""
+    """Forward and backward memory grows linearly with the sequence length: doubling L from
+    4096 to 8192 (2 heads, head dim 64) about doubles what CuPy's pool grows by (it keeps freed
+    blocks, so its growth is the high-water mark), where stored [L, L] scores would quadruple
+    it; and at 8192 the growth stays below the 256 MiB bfloat16 scores would take."""
     import cupy
 
-    length, dim = 4096, 64
-    shape = (1, 2, length, dim)
-    arrays = [_rounded(rng.standard_normal(shape), fl.bfloat16) for _ in range(4)]
-    q, k, v, seed = (fl.tensor(array).realize() for array in arrays)
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    out, pullback = fl.vjp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
-    grads = [grad.realize() for grad in pullback(seed)]
-    out.realize()
-    cupy.cuda.Device().synchronize()
-    grown = pool.total_bytes() - before
-    scores = 2 * length * length * 2
-    assert grown < scores // 4, f"{grown / 2**20:.1f} MiB for {scores / 2**20:.0f} MiB of scores"
+    def growth(length: int) -> int:
+        shape = (1, 2, length, 64)
+        arrays = [_rounded(rng.standard_normal(shape), fl.bfloat16) for _ in range(4)]
+        q, k, v, seed = (fl.tensor(array).realize() for array in arrays)
+        pool = cupy.get_default_memory_pool()
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        before = pool.total_bytes()
+        out, pullback = fl.vjp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+        grads = [grad.realize() for grad in pullback(seed)]
+        out.realize()
+        cupy.cuda.Device().synchronize()
+        del grads, out
+        return pool.total_bytes() - before
+
+    small, large = growth(4096), growth(8192)
+    scores = 2 * 8192 * 8192 * 2
+    assert large < 2.6 * small, f"{small / 2**20:.1f} MiB at L=4096, {large / 2**20:.1f} at 8192"
+    assert large < scores // 4, f"{large / 2**20:.1f} MiB for {scores / 2**20:.0f} MiB of scores"
     values = [np.asarray(array, np.float64) for array in arrays]
     rows = [0, 1234, length - 1]  # a few rows of the output against float64
     logits = values[0][0][:, rows] @ np.swapaxes(values[1][0], -1, -2) / math.sqrt(dim)
