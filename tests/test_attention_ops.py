@@ -447,7 +447,7 @@ def test_long_sequence_never_stores_the_scores(cudnn_enabled, rng, cuda_backend)
     it; and at 8192 the growth stays below the 256 MiB bfloat16 scores would take."""
     import cupy
 
-    def growth(length: int) -> int:
+    def growth(length: int):
         shape = (1, 2, length, 64)
         arrays = [_rounded(rng.standard_normal(shape), fl.bfloat16) for _ in range(4)]
         q, k, v, seed = (fl.tensor(array).realize() for array in arrays)
@@ -459,11 +459,12 @@ def test_long_sequence_never_stores_the_scores(cudnn_enabled, rng, cuda_backend)
         grads = [grad.realize() for grad in pullback(seed)]
         out.realize()
         cupy.cuda.Device().synchronize()
-        del grads, out
-        return pool.total_bytes() - before
+        return pool.total_bytes() - before, arrays, out, grads
 
-    small, large = growth(4096), growth(8192)
-    scores = 2 * 8192 * 8192 * 2
+    small = growth(4096)[0]
+    length, dim = 8192, 64
+    large, arrays, out, grads = growth(length)
+    scores = 2 * length * length * 2
     assert large < 2.6 * small, f"{small / 2**20:.1f} MiB at L=4096, {large / 2**20:.1f} at 8192"
     assert large < scores // 4, f"{large / 2**20:.1f} MiB for {scores / 2**20:.0f} MiB of scores"
     values = [np.asarray(array, np.float64) for array in arrays]
