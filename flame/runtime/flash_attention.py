@@ -30,6 +30,7 @@ and the speed probe ``notes/probes/flash_attention_bench.py``.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import NamedTuple
 
@@ -45,7 +46,8 @@ CONVERT_BLOCK = 256
 
 
 class ForwardTiles(NamedTuple):
-    warps: int  # query rows per block: 16 * warps
+    warps: int  # query rows per block: 16 * m_tiles * warps
+    m_tiles: int  # 16-row mma tiles a warp owns: each K/V fragment read feeds m_tiles mma
     block_keys: int  # keys per tile
     q_in_registers: bool  # Q's A fragments kept in registers across key tiles
 
@@ -56,15 +58,49 @@ class BackwardTiles(NamedTuple):
     accumulate_in_registers: bool  # dK, dV in registers, else in a float32 global scratch
 
 
+TILES_VARIABLE = "FLAME_FLASH_TILES"
+
+
 def tiles(head_dim: int, value_dim: int) -> tuple[ForwardTiles, BackwardTiles]:
-    """The tile configuration for a pair of head dims (untuned: first guesses from
-    FlashAttention-2's choices, sized so registers and shared memory fit)."""
+    """The tile configuration for a pair of head dims, sized so registers and shared memory
+    fit (see notes/flash-attention.md). ``FLAME_FLASH_TILES`` overrides it for head dims up to
+    128, for A/B runs: ``fwd=WxMxBC[q],bwd=WxBR`` (either part may be left out; ``q``: Q in
+    registers), e.g. ``fwd=4x1x64q`` is the first, untuned configuration."""
     widest = max(_padded(head_dim), _padded(value_dim))
     if widest <= 64:
-        return ForwardTiles(4, 64, True), BackwardTiles(4, 64, True)
-    if widest <= 128:
-        return ForwardTiles(4, 64, True), BackwardTiles(4, 32, True)
-    return ForwardTiles(4, 32, False), BackwardTiles(4, 32, False)
+        fwd, bwd = ForwardTiles(4, 2, 64, True), BackwardTiles(4, 64, True)
+    elif widest <= 128:
+        fwd, bwd = ForwardTiles(4, 2, 32, False), BackwardTiles(4, 32, True)
+    else:
+        return ForwardTiles(4, 1, 32, False), BackwardTiles(4, 32, False)
+    override = os.environ.get(TILES_VARIABLE, "").strip()
+    if override:
+        fwd, bwd = _parse_tiles(override, fwd, bwd)
+    return fwd, bwd
+
+
+def _parse_tiles(text: str, fwd: ForwardTiles, bwd: BackwardTiles):
+    for part in text.replace(";", ",").split(","):
+        if not part.strip():
+            continue
+        key, _, value = part.strip().partition("=")
+        value = value.strip().lower()
+        try:
+            if key.strip() == "fwd":
+                in_registers = value.endswith("q")
+                warps, m_tiles, keys = (int(x) for x in value.rstrip("q").split("x"))
+                fwd = ForwardTiles(warps, m_tiles, keys, in_registers)
+            elif key.strip() == "bwd":
+                warps, queries = (int(x) for x in value.split("x"))
+                bwd = BackwardTiles(warps, queries, bwd.accumulate_in_registers)
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise ValueError(
+                f"{TILES_VARIABLE}={text!r}: expected fwd=WxMxBC[q],bwd=WxBR"
+            ) from None
+    assert fwd.block_keys % 16 == 0 and bwd.block_queries % 16 == 0, (fwd, bwd)
+    return fwd, bwd
 
 
 def _padded(dim: int) -> int:
@@ -73,7 +109,7 @@ def _padded(dim: int) -> int:
 
 def forward_shared_bytes(head_dim: int, value_dim: int) -> int:
     fwd, _ = tiles(head_dim, value_dim)
-    rows = 16 * fwd.warps
+    rows = 16 * fwd.m_tiles * fwd.warps
     q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
     return 2 * (rows * q_stride + fwd.block_keys * q_stride + fwd.block_keys * v_stride)
 
@@ -133,7 +169,8 @@ _lock = threading.Lock()
 def _kernels(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bool,
              has_bias: bool) -> dict:  # fmt: skip
     """The loaded functions of ``part`` by short name, compiled through FLAME's kernel cache."""
-    key = (part, dtype_name, head_dim, value_dim, causal, has_bias)
+    # the tiles are a function of the head dims, or of FLAME_FLASH_TILES (A/B runs)
+    key = (part, dtype_name, head_dim, value_dim, causal, has_bias, tiles(head_dim, value_dim))
     functions = _functions.get(key)
     if functions is not None:
         return functions
@@ -142,7 +179,7 @@ def _kernels(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: 
 
     from flame.runtime.compiler import default_kernel_cache
 
-    name, source = render(*key)
+    name, source = render(*key[:6])
     _, cubin = default_kernel_cache().cubin(source, f"{name}_{part}")
     entries = ("forward",) if part == "forward" else ("backward", "delta", "convert")
     shared_bytes = forward_shared_bytes if part == "forward" else backward_shared_bytes
@@ -229,14 +266,20 @@ def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
     _check(q, k, v, dtype, bias)
     batch, heads, lq, head_dim = q.shape
     kv_heads, lk, value_dim = k.shape[1], k.shape[2], v.shape[-1]
-    o = cupy.zeros((batch, heads, lq, value_dim), dtype=_storage(dtype))
-    lse = cupy.full((batch, heads, lq), -np.inf, dtype=np.float32)
-    if o.size == 0 or lse.size == 0 or lk == 0:
-        return o, lse
+    if batch * heads * lq == 0 or lk == 0:
+        o = cupy.zeros((batch, heads, lq, value_dim), dtype=_storage(dtype))
+        return o, cupy.full((batch, heads, lq), -np.inf, dtype=np.float32)
+    # the kernel writes every row of o and lse: no fill (two launches fewer)
+    o = cupy.empty((batch, heads, lq, value_dim), dtype=_storage(dtype))
+    lse = cupy.empty((batch, heads, lq), dtype=np.float32)
     q, k, v = _readable(q, "q"), _readable(k, "k"), _readable(v, "v")
+    if bias is None and not scale > 0:
+        # the plain kernel takes the row max of the raw scores, right only for a positive
+        # scale; any other goes through the bias variant with a zero bias (every stride 0)
+        bias = cupy.broadcast_to(cupy.zeros((1, 1, 1, 1), dtype=np.float32), (batch, heads, lq, lk))
     kernels = _kernels("forward", dtype, head_dim, value_dim, causal, bias is not None)
     fwd, _ = tiles(head_dim, value_dim)
-    query_tiles = -(-lq // (16 * fwd.warps))
+    query_tiles = -(-lq // (16 * fwd.m_tiles * fwd.warps))
     assert query_tiles <= MAX_QUERY_TILES, f"Lq {lq} is too long for one grid column"
     arguments = [
         q, k, v, *_bias_arguments(bias, q)[:1], o, lse,
