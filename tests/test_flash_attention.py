@@ -76,6 +76,37 @@ def test_variants_compile_for_sm90(part, nvrtc):
             assert len(cubin) > 1000, case
 
 
+# tile configurations the bench A/Bs (FLAME_FLASH_TILES): each must compile and be right
+TILE_VARIANTS = ["fwd=4x1x64q,bwd=4x64", "fwd=4x2x32", "fwd=4x2x64q", "fwd=8x1x64,bwd=8x64",
+                 "bwd=8x32"]  # fmt: skip
+
+
+def test_tiles_override(monkeypatch):
+    monkeypatch.delenv(fa.TILES_VARIABLE, raising=False)
+    default = fa.tiles(64, 64)
+    monkeypatch.setenv(fa.TILES_VARIABLE, "fwd=8x1x32q,bwd=8x64")
+    assert fa.tiles(64, 64) == (fa.ForwardTiles(8, 1, 32, True), fa.BackwardTiles(8, 64, True))
+    monkeypatch.setenv(fa.TILES_VARIABLE, "bwd=8x64")
+    assert fa.tiles(64, 64) == (default[0], fa.BackwardTiles(8, 64, True))
+    assert fa.tiles(256, 256) == fa.tiles(256, 200)  # above 128: never overridden
+    monkeypatch.setenv(fa.TILES_VARIABLE, "fwd=4x2")
+    with pytest.raises(ValueError, match="FLAME_FLASH_TILES"):
+        fa.tiles(64, 64)
+
+
+@pytest.mark.parametrize("tiles", TILE_VARIANTS)
+def test_tile_variants_compile_for_sm90(tiles, nvrtc, monkeypatch):
+    from flame.runtime.compiler import nvrtc_compile
+
+    monkeypatch.setenv(fa.TILES_VARIABLE, tiles)
+    for part in ("forward", "backward"):
+        for case in (("bfloat16", 64, 64, True, False), ("bfloat16", 128, 128, False, True)):
+            name, source = fa.render(part, *case)
+            assert len(nvrtc_compile(source, name, "sm_90")) > 1000, (tiles, part, case)
+        assert fa.forward_shared_bytes(128, 128) <= 227 * 1024
+        assert fa.backward_shared_bytes(128, 128) <= 227 * 1024
+
+
 def test_reference_masks_rows_and_sums_gqa_heads(rng):
     q = rng.standard_normal((1, 4, 5, 8))
     k = rng.standard_normal((1, 2, 6, 8))
@@ -258,6 +289,32 @@ def _compare(got, want, dtype):
 def test_matches_float64_reference(case, dtype, rng):
     got, want = _run(case, dtype, rng)
     _compare(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", TILE_VARIANTS)
+def test_tile_variants_match_reference(tiles, rng, monkeypatch):
+    monkeypatch.setenv(fa.TILES_VARIABLE, tiles)
+    for case in ((1, 2, 1, 300, 200, 64, 64, True, None), (2, 2, 2, 130, 257, 128, 128, False,
+                 "key_padding"), (1, 2, 2, 257, 257, 64, 64, False, "full")):  # fmt: skip
+        got, want = _run(case, "bfloat16", rng)
+        _compare(got, want, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_negative_scale_goes_through_the_bias_variant(rng):
+    import cupy
+
+    case = (1, 2, 2, 70, 90, 64, 64, False, None)
+    batch, heads, _, lq, lk, head_dim, value_dim, _, _ = case
+    q, hq = _round(rng.standard_normal((batch, heads, lq, head_dim)), "bfloat16")
+    k, hk = _round(rng.standard_normal((batch, heads, lk, head_dim)), "bfloat16")
+    v, hv = _round(rng.standard_normal((batch, heads, lk, value_dim)), "bfloat16")
+    o, lse = fa.forward(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), scale=-0.2,
+                        causal=False, dtype="bfloat16")  # fmt: skip
+    want_o, want_lse, *_ = reference(hq, hk, hv, np.zeros_like(hq), -0.2, False, None)
+    _assert_close("o", _values(o, "bfloat16"), want_o, TOLERANCE["bfloat16"][0])
+    np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, atol=1e-2, rtol=1e-3)
 
 
 @pytest.mark.gpu
