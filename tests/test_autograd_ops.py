@@ -204,6 +204,27 @@ def matmul(a, b):
     return a @ b
 
 
+def conv_weight_grad(x, g):
+    """The weight gradient of a 3x3, stride 2, padding 1 conv2d, as an op of its own."""
+    from flame.tensor import apply_op
+
+    return apply_op(
+        "conv_weight_grad", x, g, stride=(2, 2), padding=((1, 1), (1, 1)), dilation=(1, 1),
+        groups=1, kernel_size=(3, 3),
+    )  # fmt: skip
+
+
+def attention_op(q, k, v):
+    """The fused attention op itself, in float32 (the front end sends only 16-bit floats to
+    it; its references and rules hold for any float)."""
+    from flame.autograd import functions
+    from flame.ir.ops.attention import stats_slots, unpack
+    from flame.tensor import apply_op
+
+    packed = apply_op("attention", q, k, v, scale=0.5, causal=True, slots=stats_slots(q.dtype))
+    return unpack(functions(), packed, [(*q.shape[:3], v.shape[3])])[0]
+
+
 S = Structural
 NF = fl.nn.functional
 STRUCTURAL = [
@@ -289,6 +310,18 @@ STRUCTURAL = [
     S("masked_fill", lambda x, m: fl.masked_fill(x, m, 2.0), lambda x, m: x.masked_fill(m, 2.0),
       (normal(3, 4), mask(1, 4))),
     S("clamp", lambda x: fl.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), (distinct(3, 4),)),
+    S("conv2d", lambda x, w: NF.conv2d(x, w, stride=(1, 2), padding=1, groups=2),
+      lambda x, w: _tf().conv2d(x, w, stride=(1, 2), padding=1, groups=2),
+      (normal(2, 4, 5, 6), normal(6, 2, 3, 3))),
+    S("conv_transpose2d", lambda x, w: NF.conv_transpose2d(x, w, stride=2, output_padding=1),
+      lambda x, w: _tf().conv_transpose2d(x, w, stride=2, output_padding=1),
+      (normal(2, 3, 3, 4), normal(3, 2, 3, 3))),
+    S("conv_weight_grad", conv_weight_grad,
+      lambda x, g: _torch().nn.grad.conv2d_weight(x, (4, 3, 3, 3), g, stride=2, padding=1),
+      (normal(2, 3, 7, 6), normal(2, 4, 4, 3))),
+    S("attention", attention_op,
+      lambda q, k, v: _tf().scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5),
+      (normal(1, 2, 3, 8), normal(1, 2, 4, 8), normal(1, 2, 4, 8))),
     S("cumsum", lambda x: x.cumsum(1), lambda x: x.cumsum(1), (normal(3, 4),)),
     S("cumprod", lambda x: x.cumprod(1), lambda x: x.cumprod(1), (normal(3, 4),)),
     S("logcumsumexp", lambda x: x.logcumsumexp(0), lambda x: x.logcumsumexp(0), (normal(3, 4),)),

@@ -119,10 +119,32 @@ def _identity_movement(node: Node, keep) -> Node | None:
         and all(step == 1 for step in node.attr("steps"))
     ):
         return node.inputs[0]
+    if node.op == "slice" and node.inputs[0].op == "pad":
+        inside = _slice_inside_pad(node, node.inputs[0])
+        if inside is not None:
+            return inside
     if node.op in MOVEMENT:
         pushed = _movement(node.op, node.attrs, node.inputs[0], node.site, keep)
         return None if pushed is node or _same(pushed, node) else pushed
     return None
+
+
+def _slice_inside_pad(node: Node, pad: Node) -> Node | None:
+    """A slice that reads only the unpadded part of a ``pad`` is that slice of the pad's
+    input (autograd makes such pairs: a view's cotangent is padded into its base's shape,
+    and a rule that reads the base's cotangent through the same view slices it out again)."""
+    source = pad.inputs[0]
+    starts, stops, steps = (node.attr(name) for name in ("starts", "stops", "steps"))
+    shifted_starts, shifted_stops = [], []
+    for start, stop, step, (before, _), size in zip(
+        starts, stops, steps, pad.attr("widths"), source.shape
+    ):
+        if step <= 0 or start < before or stop > before + size:
+            return None
+        shifted_starts.append(start - before)
+        shifted_stops.append(stop - before)
+    attrs = {"starts": tuple(shifted_starts), "stops": tuple(shifted_stops), "steps": steps}
+    return make_node("slice", (source,), attrs, node.site)
 
 
 def _same(first: Node, second: Node) -> bool:
