@@ -6,14 +6,16 @@ Memory stays linear in the sequence lengths: scores are never stored whole. The 
 (``mma.sync.m16n8k16`` with bfloat16 or float16 inputs and float32 accumulators, ``ldmatrix``,
 ``cp.async``), the softmax computed online in registers, tiles in shared memory.
 
-* forward: a block takes ``16 * warps`` query rows of one (batch, query head), a warp 16 of
-  them, and walks the key tiles; it writes ``o`` and the natural-log ``lse`` of each row.
+* forward: a block takes ``16 * m_tiles * warps`` query rows of one (batch, query head), a
+  warp ``16 * m_tiles`` of them (32 up to head dim 128: each K/V fragment feeds two mma), and
+  walks the key tiles; it writes ``o`` and the natural-log ``lse`` of each row.
 * backward: ``delta = rowsum(dO * O)`` first (one warp a row); then a block takes
   ``16 * warps`` keys of one (batch, kv head) and walks every query head of its group and every
   query tile. dK and dV stay with the thread that owns them (registers up to head dim 128, a
   float32 global scratch beyond), so they need no atomics and GQA's sum over the query heads
-  of a group is a loop. **dQ is accumulated with float32 atomics in a scratch buffer** and
-  converted to the input dtype by a last small kernel.
+  of a group is a loop. **dQ is accumulated with float32 reductions in a scratch buffer**
+  (``red.global.add.v4.f32`` on sm_90: 4 elements an instruction) and converted to the input
+  dtype by a last small kernel.
 
 What is compiled in (the kernel key): the part (forward or backward), the dtype, the head dims
 ``D`` and ``Dv``, ``causal``, whether there is a bias, and the tile configuration, which is a
@@ -23,8 +25,9 @@ arguments: new sizes never recompile.
 Inputs may be strided views with a unit last stride. The kernels read rows 16 bytes at a time,
 so a view whose base or row strides are not multiples of 16 bytes is copied first.
 
-Not yet run on a GPU when written: the GPU tests are ``tests/test_flash_attention.py -m gpu``
-and the speed probe ``notes/probes/flash_attention_bench.py``.
+GPU tests: ``tests/test_flash_attention.py -m gpu``; speed:
+``notes/probes/flash_attention_bench.py`` (``--tiles`` A/Bs ``FLAME_FLASH_TILES`` values);
+analysis and tile choices: ``notes/flash-attention.md``.
 """
 
 from __future__ import annotations
