@@ -1,0 +1,50 @@
+"""Where the first call of a compiled conv + attention step spends its host time: cProfile of
+the first call after import (run twice with one FLAME_CACHE_DIR: cold, then from disk)."""
+import cProfile
+import pstats
+import time
+
+t0 = time.perf_counter()
+import numpy as np  # noqa: E402
+
+import flame as fl  # noqa: E402
+import flame.nn.functional as F  # noqa: E402
+from flame.runtime import library_cudnn  # noqa: E402
+
+t1 = time.perf_counter()
+rng = np.random.default_rng(0)
+x = fl.tensor(rng.standard_normal((2, 320, 32, 32)).astype(np.float32)).to(fl.bfloat16).realize()
+t2 = time.perf_counter()
+library_cudnn._load()
+t3 = time.perf_counter()
+w = fl.tensor(rng.standard_normal((320, 320, 3, 3)).astype(np.float32) * 0.02).to(fl.bfloat16).realize()
+q, k, v = (fl.tensor(rng.standard_normal((2, 5, 1024, 64)).astype(np.float32)).to(fl.bfloat16).realize() for _ in range(3))
+for t in (x, w, q, k, v):
+    t.requires_grad_()
+
+
+@fl.compile
+def step(x, w, q, k, v):
+    y = F.conv2d(x, w, padding=1)
+    o = F.scaled_dot_product_attention(q, k, v)
+    loss = y.float().square().mean() + o.float().square().mean()
+    loss.backward()
+    return loss
+
+
+profile = cProfile.Profile()
+t4 = time.perf_counter()
+profile.enable()
+step(x, w, q, k, v).item()
+profile.disable()
+t5 = time.perf_counter()
+for t in (x, w, q, k, v):
+    t.grad = None
+step(x, w, q, k, v).item()
+t6 = time.perf_counter()
+print(f"import {1e3 * (t1 - t0):.0f} ms, first upload {1e3 * (t2 - t1):.0f} ms, "
+      f"cudnn handle {1e3 * (t3 - t2):.0f} ms, first call {1e3 * (t5 - t4):.0f} ms, "
+      f"second call {1e3 * (t6 - t5):.1f} ms")
+for op, origin, ms in library_cudnn.plan_times():
+    print(f"plan {op:14s} {origin:6s} {ms:8.1f} ms")
+pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
