@@ -1,5 +1,6 @@
 """Where the first call of a compiled conv + attention step spends its host time: cProfile of
 the first call after import (run twice with one FLAME_CACHE_DIR: cold, then from disk)."""
+
 import cProfile
 import pstats
 import time
@@ -13,12 +14,20 @@ from flame.runtime import library_cudnn  # noqa: E402
 
 t1 = time.perf_counter()
 rng = np.random.default_rng(0)
-x = fl.tensor(rng.standard_normal((2, 320, 32, 32)).astype(np.float32)).to(fl.bfloat16).realize()
+x = fl.tensor(rng.standard_normal((2, 320, 32, 32)).astype(np.float32)).to(fl.bfloat16)
+x = x.realize()
 t2 = time.perf_counter()
 library_cudnn._load()
 t3 = time.perf_counter()
-w = fl.tensor(rng.standard_normal((320, 320, 3, 3)).astype(np.float32) * 0.02).to(fl.bfloat16).realize()
-q, k, v = (fl.tensor(rng.standard_normal((2, 5, 1024, 64)).astype(np.float32)).to(fl.bfloat16).realize() for _ in range(3))
+
+
+def bf16(*shape, scale=1.0):
+    values = rng.standard_normal(shape).astype(np.float32) * scale
+    return fl.tensor(values).to(fl.bfloat16).realize()
+
+
+w = bf16(320, 320, 3, 3, scale=0.02)
+q, k, v = (bf16(2, 5, 1024, 64) for _ in range(3))
 for t in (x, w, q, k, v):
     t.requires_grad_()
 
@@ -42,9 +51,11 @@ for t in (x, w, q, k, v):
     t.grad = None
 step(x, w, q, k, v).item()
 t6 = time.perf_counter()
-print(f"import {1e3 * (t1 - t0):.0f} ms, first upload {1e3 * (t2 - t1):.0f} ms, "
-      f"cudnn handle {1e3 * (t3 - t2):.0f} ms, first call {1e3 * (t5 - t4):.0f} ms, "
-      f"second call {1e3 * (t6 - t5):.1f} ms")
+print(
+    f"import {1e3 * (t1 - t0):.0f} ms, first upload {1e3 * (t2 - t1):.0f} ms, "
+    f"cudnn handle {1e3 * (t3 - t2):.0f} ms, first call {1e3 * (t5 - t4):.0f} ms, "
+    f"second call {1e3 * (t6 - t5):.1f} ms"
+)
 for op, origin, ms in library_cudnn.plan_times():
     print(f"plan {op:14s} {origin:6s} {ms:8.1f} ms")
 pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
