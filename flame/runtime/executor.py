@@ -17,6 +17,7 @@ from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node, toposort
+from flame.ir.ops import get_op
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.fuse import library_view
 from flame.ir.shapes import contiguous_strides
@@ -42,7 +43,7 @@ RECYCLE_BYTES = 64 * 1024
 # wrappers refuse), and a capture that fails runs the program step by step instead.
 CAPTURABLE_LIBRARY_OPS = frozenset(
     {"matmul", "cat", "pad", "conv", "conv_data_grad", "conv_weight_grad", "attention",
-     "attention_backward"}
+     "attention_backward", "reshape", "slice", "permute"}
 )  # fmt: skip
 
 
@@ -56,6 +57,9 @@ class LibraryCall(Record, frozen=True):
 
     @classmethod
     def plan(cls, node: Node, slot_of) -> LibraryCall:
+        if get_op(node.op).kind == "movement":  # an output handed out as a view (no copy)
+            base, view = library_view(node, computed=False)
+            return cls(node, (slot_of[id(base)],), slot_of[id(node)], (view,))
         inputs, views = [], []
         for child in node.inputs:
             if id(child) in slot_of:

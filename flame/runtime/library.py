@@ -34,6 +34,16 @@ def implements(op_name: str):
     return register
 
 
+def _view(node: Node, arrays: list):
+    """A graph output that is a view of a library result: the strided array the plan
+    resolved (``LibraryCall.plan``), handed out as it is."""
+    return arrays[0]
+
+
+for _movement in ("reshape", "slice", "permute"):
+    IMPLEMENTATIONS[_movement] = _view
+
+
 def run_library(node: Node, arrays: list):
     implementation = IMPLEMENTATIONS.get(node.op)
     if implementation is None:

@@ -66,9 +66,24 @@ def _base_view(node: Node) -> View:
     return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
 
+def output_view(node: Node) -> Node | None:
+    """The library call whose result a graph output ``node`` is a view of, when it can be
+    handed out as that view instead of a copy: a chain of reshapes, slices and permutes (no
+    broadcast: no two elements share memory) over a library result. Packed results (the
+    attention op's O and statistics, its backward's dQ, dK, dV) reach the user this way."""
+    resolved = library_view(node, computed=False)
+    if resolved is None or is_input(resolved[0]) or 0 in resolved[1].strides:
+        return None
+    return resolved[0]
+
+
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
+    for node in chosen.values():
+        base = output_view(node)
+        if base is not None:
+            reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
 
     def choose(node: Node, reason: str) -> None:
         if not is_input(node) and id(node) not in chosen:
@@ -230,10 +245,13 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
     dependencies: dict[int, list[Node]] = {}
     order: list[Node] = []
     library = []
+    handed_out = {  # outputs that are views of a library result: library calls of no work
+        id(node) for node in graph.outputs if not is_input(node) and output_view(node)
+    }
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
-        if get_op(node.op).kind == "library":
+        if get_op(node.op).kind == "library" or id(node) in handed_out:
             bucket_of[id(node)] = ("library", id(node))
             _depth(node, materialized, bucket_of, depths, dependencies)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
