@@ -193,7 +193,12 @@ def addcdiv(input, tensor1, tensor2, *, value=1):  # noqa: A002
     return input + value * tensor1 / tensor2
 
 
-_FUNCTIONS.update(gelu=gelu, leaky_relu=leaky_relu, softplus=softplus)
+def square(input):  # noqa: A002
+    """``input * input`` (PyTorch's ``torch.square``; integer inputs stay integers)."""
+    return input * input
+
+
+_FUNCTIONS.update(gelu=gelu, leaky_relu=leaky_relu, softplus=softplus, square=square)
 _FUNCTIONS.update(
     isnan=isnan, isinf=isinf, isfinite=isfinite, nan_to_num=nan_to_num, clip=clip,
     div=div, pow=pow, lerp=lerp, addcmul=addcmul, addcdiv=addcdiv,

@@ -167,6 +167,7 @@ _OPS = {
     "log_": lambda self: self.log(),
     "sqrt_": lambda self: self.sqrt(),
     "rsqrt_": lambda self: self.rsqrt(),
+    "square_": lambda self: self * self,
     "sigmoid_": lambda self: self.sigmoid(),
     "tanh_": lambda self: self.tanh(),
     "relu_": lambda self: self.relu(),

@@ -295,3 +295,18 @@ def test_shift_operators(backend):
     np.testing.assert_array_equal((x >> 1).numpy(), [0, -4, 2])
     np.testing.assert_array_equal((1 << fl.tensor(np.array([0, 3], np.int32))).numpy(), [1, 8])
     np.testing.assert_array_equal((64 >> fl.tensor(np.array([1, 70], np.int64))).numpy(), [32, 0])
+
+
+def test_square_as_pytorch():
+    """``fl.square``, ``x.square()`` and ``x.square_()``: values, gradient, integer dtype kept."""
+    with fl.backend("reference"):
+        x = fl.tensor(np.array([1.5, -2.0, 0.0], np.float32), requires_grad=True)
+        y = fl.square(x)
+        np.testing.assert_allclose(y.numpy(), [2.25, 4.0, 0.0])
+        np.testing.assert_allclose(x.square().numpy(), y.numpy())
+        y.sum().backward()
+        np.testing.assert_allclose(x.grad.numpy(), [3.0, -4.0, 0.0])
+        z = fl.tensor(np.array([2, -3]))
+        z.square_()
+        assert z.dtype is fl.int64
+        np.testing.assert_array_equal(z.numpy(), [4, 9])
