@@ -89,5 +89,6 @@ for b, c, s in ((8, 64, 128), (16, 128, 64), (32, 256, 32), (32, 512, 16), (64, 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop) / 20)
     print(
-        f"{b}x{c}x{s}x{s}: NCHW {times[0]:.3f}  NHWC {times[1]:.3f}  ratio {times[0] / times[1]:.2f}"
+        f"{b}x{c}x{s}x{s}: NCHW {times[0]:.3f}  NHWC {times[1]:.3f}  "
+        f"ratio {times[0] / times[1]:.2f}"
     )
