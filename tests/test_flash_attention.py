@@ -78,7 +78,8 @@ def test_variants_compile_for_sm90(part, nvrtc):
 
 # tile configurations the bench A/Bs (FLAME_FLASH_TILES): each must compile and be right
 TILE_VARIANTS = ["fwd=4x1x64q,bwd=4x64", "fwd=4x2x32", "fwd=4x2x64q", "fwd=8x1x64,bwd=8x64",
-                 "bwd=8x32"]  # fmt: skip
+                 "bwd=8x32", "fwd=4x2x32x3,bwd=4x32x1", "fwd=4x2x64x3q,bwd=4x64x1",
+                 "fwd=4x1x64x2q"]  # fmt: skip
 
 
 def test_tiles_override(monkeypatch):
@@ -89,6 +90,10 @@ def test_tiles_override(monkeypatch):
     monkeypatch.setenv(fa.TILES_VARIABLE, "bwd=8x64")
     assert fa.tiles(64, 64) == (default[0], fa.BackwardTiles(8, 64, True))
     assert fa.tiles(256, 256) == fa.tiles(256, 200)  # above 128: never overridden
+    monkeypatch.setenv(fa.TILES_VARIABLE, "fwd=4x2x32x3,bwd=4x32x1")
+    assert fa.tiles(64, 64) == (fa.ForwardTiles(4, 2, 32, False, 3),
+                                fa.BackwardTiles(4, 32, True, 1))  # fmt: skip
+    assert fa.tiles(256, 256)[1].buffers == 1  # two would cost the second block an SM
     monkeypatch.setenv(fa.TILES_VARIABLE, "fwd=4x2")
     with pytest.raises(ValueError, match="FLAME_FLASH_TILES"):
         fa.tiles(64, 64)

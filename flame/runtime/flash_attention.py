@@ -53,12 +53,14 @@ class ForwardTiles(NamedTuple):
     m_tiles: int  # 16-row mma tiles a warp owns: each K/V fragment read feeds m_tiles mma
     block_keys: int  # keys per tile
     q_in_registers: bool  # Q's A fragments kept in registers across key tiles
+    stages: int = 2  # K/V tile buffers: tile j + stages - 1 loads while tile j is computed
 
 
 class BackwardTiles(NamedTuple):
     warps: int  # keys per block: 16 * warps
     block_queries: int  # queries per tile
     accumulate_in_registers: bool  # dK, dV in registers, else in a float32 global scratch
+    buffers: int = 2  # Q/dO/dS buffers: 2 = the next query tile loads a whole tile ahead
 
 
 TILES_VARIABLE = "FLAME_FLASH_TILES"
@@ -67,15 +69,16 @@ TILES_VARIABLE = "FLAME_FLASH_TILES"
 def tiles(head_dim: int, value_dim: int) -> tuple[ForwardTiles, BackwardTiles]:
     """The tile configuration for a pair of head dims, sized so registers and shared memory
     fit (see notes/flash-attention.md). ``FLAME_FLASH_TILES`` overrides it for head dims up to
-    128, for A/B runs: ``fwd=WxMxBC[q],bwd=WxBR`` (either part may be left out; ``q``: Q in
-    registers), e.g. ``fwd=4x1x64q`` is the first, untuned configuration."""
+    128, for A/B runs: ``fwd=WxMxBC[xS][q],bwd=WxBR[xN]`` (either part may be left out; ``q``:
+    Q in registers; S: K/V stages, default 2; N: Q/dO buffers, 1 or 2, default 2), e.g.
+    ``fwd=4x1x64x1q,bwd=4x64x1`` is close to the first, untuned configuration."""
     widest = max(_padded(head_dim), _padded(value_dim))
     if widest <= 64:
         fwd, bwd = ForwardTiles(4, 2, 64, True), BackwardTiles(4, 64, True)
     elif widest <= 128:
         fwd, bwd = ForwardTiles(4, 2, 32, False), BackwardTiles(4, 32, True)
-    else:
-        return ForwardTiles(4, 1, 32, False), BackwardTiles(4, 32, False)
+    else:  # two Q/dO buffers would cost the backward its second block an SM
+        return ForwardTiles(4, 1, 32, False), BackwardTiles(4, 32, False, 1)
     override = os.environ.get(TILES_VARIABLE, "").strip()
     if override:
         fwd, bwd = _parse_tiles(override, fwd, bwd)
@@ -91,11 +94,15 @@ def _parse_tiles(text: str, fwd: ForwardTiles, bwd: BackwardTiles):
         try:
             if key.strip() == "fwd":
                 in_registers = value.endswith("q")
-                warps, m_tiles, keys = (int(x) for x in value.rstrip("q").split("x"))
-                fwd = ForwardTiles(warps, m_tiles, keys, in_registers)
+                numbers = [int(x) for x in value.rstrip("q").split("x")]
+                if len(numbers) not in (3, 4):
+                    raise ValueError(value)
+                fwd = ForwardTiles(*numbers[:3], in_registers, *numbers[3:])
             elif key.strip() == "bwd":
-                warps, queries = (int(x) for x in value.split("x"))
-                bwd = BackwardTiles(warps, queries, bwd.accumulate_in_registers)
+                numbers = [int(x) for x in value.split("x")]
+                if len(numbers) not in (2, 3):
+                    raise ValueError(value)
+                bwd = BackwardTiles(*numbers[:2], bwd.accumulate_in_registers, *numbers[2:])
             else:
                 raise ValueError(key)
         except ValueError:
@@ -103,6 +110,7 @@ def _parse_tiles(text: str, fwd: ForwardTiles, bwd: BackwardTiles):
                 f"{TILES_VARIABLE}={text!r}: expected fwd=WxMxBC[q],bwd=WxBR"
             ) from None
     assert fwd.block_keys % 16 == 0 and bwd.block_queries % 16 == 0, (fwd, bwd)
+    assert fwd.stages >= 2 and bwd.buffers in (1, 2), (fwd, bwd)
     return fwd, bwd
 
 
@@ -114,15 +122,16 @@ def forward_shared_bytes(head_dim: int, value_dim: int) -> int:
     fwd, _ = tiles(head_dim, value_dim)
     rows = 16 * fwd.m_tiles * fwd.warps
     q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
-    return 2 * (rows * q_stride + fwd.block_keys * q_stride + fwd.block_keys * v_stride)
+    return 2 * (rows * q_stride + fwd.stages * fwd.block_keys * (q_stride + v_stride))
 
 
 def backward_shared_bytes(head_dim: int, value_dim: int) -> int:
     _, bwd = tiles(head_dim, value_dim)
     keys, queries = 16 * bwd.warps, bwd.block_queries
     q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
-    elements = (keys + queries) * (q_stride + v_stride) + keys * (queries + 8)
-    return 2 * elements + 4 * 2 * queries
+    buffers = bwd.buffers  # of Q, dO, dS^T and the per-row lse, delta
+    elements = (keys + buffers * queries) * (q_stride + v_stride) + buffers * keys * (queries + 8)
+    return 2 * elements + 4 * 2 * queries * buffers
 
 
 def supports(head_dim: int, value_dim: int, dtype_name: str) -> str | None:
@@ -333,11 +342,12 @@ def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bia
 
     rows = batch * heads * lq
     delta = cupy.empty((batch, heads, lq), dtype=np.float32)
+    lse2 = cupy.empty((batch, heads, lq), dtype=np.float32)  # lse log2 e; 0 where -inf
     kernels["delta"](
         (-(-rows // DELTA_WARPS),),
         (32 * DELTA_WARPS,),
         (
-            o, do, delta, np.int32(heads), np.int32(lq), np.int64(rows),
+            o, do, lse, delta, lse2, np.int32(heads), np.int32(lq), np.int64(rows),
             *(np.int64(s) for s in _strides(o)[:3]),
             *(np.int64(s) for s in _strides(do)[:3]),
         ),
@@ -354,7 +364,7 @@ def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bia
     assert key_tiles <= MAX_QUERY_TILES, f"Lk {lk} is too long for one grid column"
     bias_arguments = _bias_arguments(bias, q)
     arguments = [
-        q, k, v, bias_arguments[0], do, lse, delta, dq_acc, dk, dv, dk_acc, dv_acc,
+        q, k, v, bias_arguments[0], do, lse2, delta, dq_acc, dk, dv, dk_acc, dv_acc,
         np.int32(heads), np.int32(kv_heads), np.int32(heads // kv_heads),
         np.int32(lq), np.int32(lk),
         *(np.int64(s) for s in _strides(q)[:3]),
