@@ -8,12 +8,14 @@ Memory stays linear in the sequence lengths: scores are never stored whole. The 
 
 * forward: a block takes ``16 * m_tiles * warps`` query rows of one (batch, query head), a
   warp ``16 * m_tiles`` of them (32 up to head dim 128: each K/V fragment feeds two mma), and
-  walks the key tiles; it writes ``o`` and the natural-log ``lse`` of each row.
-* backward: ``delta = rowsum(dO * O)`` first (one warp a row); then a block takes
-  ``16 * warps`` keys of one (batch, kv head) and walks every query head of its group and every
-  query tile. dK and dV stay with the thread that owns them (registers up to head dim 128, a
-  float32 global scratch beyond), so they need no atomics and GQA's sum over the query heads
-  of a group is a loop. **dQ is accumulated with float32 reductions in a scratch buffer**
+  walks the key tiles (K and V loaded ``stages - 1`` tiles ahead); it writes ``o`` and the
+  natural-log ``lse`` of each row.
+* backward: ``delta = rowsum(dO * O)`` and ``lse log2 e`` first (one warp a row); then a
+  block takes ``16 * warps`` keys of one (batch, kv head) and walks every query head of its
+  group and every query tile (the next one loading a whole tile ahead). dK and dV stay with
+  the thread that owns them (registers up to head dim 128, a float32 global scratch beyond),
+  so they need no atomics and GQA's sum over the query heads of a group is a loop. **dQ is
+  accumulated with float32 reductions in a scratch buffer**
   (``red.global.add.v4.f32`` on sm_90: 4 elements an instruction) and converted to the input
   dtype by a last small kernel.
 
