@@ -144,7 +144,7 @@ def _functions() -> SimpleNamespace:
         expand=views.expand, unsqueeze=views.unsqueeze, narrow=views.narrow, flip=views.flip,
         matmul=fl.matmul, sum_to=sum_to, unslice_axis=unslice_axis,
         reduce_sum=lambda t, axes: fl.sum(t, axes, keepdim=True),
-        scatter_add=fl.scatter_add, gather=fl.gather, zeros=fl.zeros,
+        scatter_add=fl.scatter_add, gather=fl.gather, zeros=fl.zeros, copy=fl.clone,
     )  # fmt: skip
 
 

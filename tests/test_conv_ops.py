@@ -540,3 +540,78 @@ def test_cudnn_plan_is_read_from_the_disk_cache_by_a_fresh_process(tmp_path):
     first, second = counts
     assert first.get("built", 0) >= 1 and not first.get("disk"), first
     assert second.get("disk", 0) >= 1, second
+
+
+# --- FLAME's layout choice: 16-bit 2-d convolutions on channels-last memory -------------------
+
+
+@pytest.fixture
+def layout_choice():
+    """Sets ``fl.backends.cudnn.channels_last`` for one test and restores it."""
+    saved = fl.backends.cudnn.channels_last
+    yield lambda value: setattr(fl.backends.cudnn, "channels_last", value)
+    fl.backends.cudnn.channels_last = saved
+
+
+def _bf16_values(case: Case, arrays, seed):
+    """flame_values on bfloat16 inputs (so the layout choice applies) and the conv ops built."""
+    rounded = _rounded(arrays, fl.bfloat16)
+    primals = [fl.tensor(array).to(fl.bfloat16) for array in rounded]
+
+    def function(*tensors):
+        bias = tensors[2] if case.bias else None
+        return getattr(F, case.op)(tensors[0], tensors[1], bias, **case.kwargs())
+
+    out, pullback = fl.vjp(function, *primals)
+    grads = pullback(fl.tensor(seed).to(fl.bfloat16))
+    ops = {
+        (node.op, node.attr("channels_last", False))
+        for node in graph_nodes(out, *grads)
+        if node.op.startswith("conv")
+    }
+    values = [out.float().numpy()] + [grad.float().numpy() for grad in grads]
+    return values, ops
+
+
+LAYOUT_CASES = [case for case in CASES if len(case.input_shape()) == 4][::2]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
+def test_channels_last_choice_gives_the_same_values(case, rng, reference_backend, layout_choice):
+    """The channels-last ops (input, result and gradient laid out [N, H, W, C]) give bit for
+    bit the values of the channels-first ones, and are the ones built for bfloat16 while the
+    choice is on; off, no conv op carries the attribute."""
+    arrays = _arrays(case, rng)
+    with fl.backend("reference"):
+        probe = getattr(F, case.op)(
+            fl.tensor(arrays[0]), fl.tensor(arrays[1]), None, **case.kwargs()
+        )
+    seed = _rounded([rng.standard_normal(probe.shape).astype(np.float32)], fl.bfloat16)[0]
+    layout_choice(True)
+    chosen, chosen_ops = _bf16_values(case, arrays, seed)
+    layout_choice(False)
+    plain, plain_ops = _bf16_values(case, arrays, seed)
+    assert chosen_ops and all(last for _, last in chosen_ops), chosen_ops
+    assert plain_ops and not any(last for _, last in plain_ops), plain_ops
+    for got, want in zip(chosen, plain):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_channels_last_ops_match_the_channels_first_references(rng):
+    """The three ops' references with ``channels_last=True`` are the channels-first ones with
+    the input, result and gradient axes moved (stride 2, padding, groups)."""
+    from flame.ir.ops import conv
+
+    x = rng.standard_normal((2, 4, 7, 6))
+    w = rng.standard_normal((6, 2, 3, 3))
+    attrs = {"stride": (2, 1), "padding": ((1, 1), (0, 2)), "dilation": (1, 2), "groups": 2}
+    last = lambda array: np.moveaxis(array, 1, -1)  # noqa: E731
+    y = conv._conv_ref(x, w, **attrs)
+    np.testing.assert_allclose(conv._conv_ref(last(x), w, channels_last=True, **attrs), last(y))
+    g = rng.standard_normal(y.shape)
+    dx = conv._data_grad_ref(g, w, input_size=(7, 6), **attrs)
+    got = conv._data_grad_ref(last(g), w, input_size=(7, 6), channels_last=True, **attrs)
+    np.testing.assert_allclose(got, last(dx))
+    dw = conv._weight_grad_ref(x, g, kernel_size=(3, 3), **attrs)
+    got = conv._weight_grad_ref(last(x), last(g), kernel_size=(3, 3), channels_last=True, **attrs)
+    np.testing.assert_allclose(got, dw)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 enabled = True  # read at run time by flame/runtime/library_conv.py and library_attention.py
+# FLAME's layout choice for float16/bfloat16 2-d convolutions, read when a convolution is
+# built (a compiled function keeps the choice it traced with): True computes them on
+# channels-last memory (flame/ir/ops/conv.py says why); False keeps the user's NCHW.
+channels_last = True
 
 
 def is_available() -> bool:

@@ -19,7 +19,7 @@ from flame.joining import pad, stack
 from flame.linalg import matmul
 from flame.shaping import checked_tensor, shown, user_errors
 from flame.tensor import Tensor, apply_op
-from flame.views import reshape, transpose
+from flame.views import permute, reshape, transpose
 
 __all__ = [
     "bilinear", "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear",
@@ -150,14 +150,33 @@ def _pad_spatial(x: Tensor, pairs, value: float = 0.0) -> Tensor:
     return pad(x, widths, value=value)
 
 
+def _channels_last(x: Tensor) -> bool:
+    """FLAME's layout choice: 16-bit 2-d convolutions run on channels-last memory."""
+    from flame.backends import cudnn
+
+    return cudnn.channels_last and x.ndim == 4 and x.dtype.name in ("float16", "bfloat16")
+
+
+def _to_channels_last(x: Tensor) -> Tensor:
+    """x [N, C, H, W] as a channels-last value [N, H, W, C] with memory of its own: the
+    kernel computing x writes it in that order (the permute folds into its index map)."""
+    return permute(x, (0, 2, 3, 1)).clone()
+
+
 def _conv(op: str, x: Tensor, weight: Tensor, bias, stride, pairs, dilation, groups: int):
     """The ``conv`` op over a batched ``x`` (arguments checked and normalized), plus bias;
-    ``op`` names the user's function in errors."""
+    ``op`` names the user's function in errors. The result is NCHW to the caller whatever
+    layout the op computes in (a channels-last result is seen through a permuted view)."""
     _output_sizes(op, x, x.shape[2:], pairs, weight.shape[2:], dilation, stride)
-    result = apply_op(
-        "conv", x, weight, stride=tuple(stride), padding=tuple(pairs),
-        dilation=tuple(dilation), groups=groups,
-    )  # fmt: skip
+    attrs = {
+        "stride": tuple(stride), "padding": tuple(pairs), "dilation": tuple(dilation),
+        "groups": groups,
+    }  # fmt: skip
+    if _channels_last(x):
+        result = apply_op("conv", _to_channels_last(x), weight, channels_last=True, **attrs)
+        result = permute(result, (0, 3, 1, 2))
+    else:
+        result = apply_op("conv", x, weight, **attrs)
     if bias is not None:
         result = result + reshape(bias, (bias.shape[0],) + (1,) * (x.ndim - 2))
     return result
@@ -309,10 +328,17 @@ def _conv_transpose(x, weight, bias, stride, padding, output_padding, groups, di
                 f"conv_transpose: output_padding {extra} >= stride {step} needs padding >= "
                 f"output_padding, got padding {low}"
             )
-    result = apply_op(
-        "conv_data_grad", x, weight, stride=tuple(stride), padding=tuple(pairs),
-        dilation=tuple(dilation), groups=groups, input_size=tuple(sizes),
-    )  # fmt: skip
+    attrs = {
+        "stride": tuple(stride), "padding": tuple(pairs), "dilation": tuple(dilation),
+        "groups": groups, "input_size": tuple(sizes),
+    }  # fmt: skip
+    if _channels_last(x):
+        result = apply_op(
+            "conv_data_grad", _to_channels_last(x), weight, channels_last=True, **attrs
+        )
+        result = permute(result, (0, 3, 1, 2))
+    else:
+        result = apply_op("conv_data_grad", x, weight, **attrs)
     if bias is not None:
         result = result + reshape(bias, (bias.shape[0],) + (1,) * (x.ndim - 2))
     return result

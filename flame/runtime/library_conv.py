@@ -20,6 +20,7 @@ import itertools
 import numpy as np
 
 from flame.ir.node import Node
+from flame.ir.ops.conv import channels_first_shape
 from flame.runtime import library_cudnn as dnn
 from flame.runtime.library import implements
 from flame.runtime.library_scan import _narrowed, _widened
@@ -84,9 +85,18 @@ def _conv_options(attrs: dict, spatial: int) -> dict:
     return {"pre_padding": before, "post_padding": after, "stride": stride, "dilation": dilation}
 
 
+def _channels_first(array, channels_last: bool):
+    """A channels-last array [N, *S, C] as the channels-first view cuDNN's descriptors and
+    the fallback take (cuDNN reads the layout from the strides)."""
+    import cupy
+
+    return cupy.moveaxis(array, -1, 1) if channels_last else array
+
+
 def _run_cudnn(node: Node, kind: str, first, second, out) -> None:
     """One cuDNN convolution: ``kind`` fprop (x, w -> y), dgrad (dy, w -> dx) or wgrad
-    (x, dy -> dw); ``first``/``second`` are the inputs in that order, ``out`` the result."""
+    (x, dy -> dw); ``first``/``second`` are the inputs in that order, ``out`` the result,
+    all channels-first views (of channels-last memory where the node says so)."""
     dtype = node.dtype.name
     spatial = len(node.shape) - 2
     options = _conv_options(_attrs(node), spatial)
@@ -126,6 +136,19 @@ def _empty(node: Node):
     return cupy.empty(node.shape, dtype=storage)
 
 
+def _last(node: Node) -> bool:
+    return bool(node.attr("channels_last", False))
+
+
+def _result(node: Node, computed):
+    """A fallback's channels-first result in the node's layout (C-contiguous)."""
+    import cupy
+
+    if _last(node):
+        return cupy.ascontiguousarray(cupy.moveaxis(computed, 1, -1))
+    return computed
+
+
 @implements("conv")
 def conv(node: Node, arrays: list):
     x, w = (_readable(array, node.dtype.name) for array in arrays)
@@ -135,10 +158,11 @@ def conv(node: Node, arrays: list):
     if x.size == 0 or w.size == 0:
         out.fill(0)
         return out
+    x, view = _channels_first(x, _last(node)), _channels_first(out, _last(node))
     if _use_cudnn(node):
-        _run_cudnn(node, "fprop", x, w, out)
+        _run_cudnn(node, "fprop", x, w, view)
         return out
-    return _fallback_conv(node, x, w)
+    return _result(node, _fallback_conv(node, x, w))
 
 
 @implements("conv_data_grad")
@@ -150,10 +174,11 @@ def conv_data_grad(node: Node, arrays: list):
     if g.size == 0 or w.size == 0:
         out.fill(0)
         return out
+    g, view = _channels_first(g, _last(node)), _channels_first(out, _last(node))
     if _use_cudnn(node):
-        _run_cudnn(node, "dgrad", g, w, out)
+        _run_cudnn(node, "dgrad", g, w, view)
         return out
-    return _fallback_data_grad(node, g, w)
+    return _result(node, _fallback_data_grad(node, g, w))
 
 
 @implements("conv_weight_grad")
@@ -165,6 +190,7 @@ def conv_weight_grad(node: Node, arrays: list):
     if x.size == 0 or g.size == 0:
         out.fill(0)
         return out
+    x, g = _channels_first(x, _last(node)), _channels_first(g, _last(node))
     if _use_cudnn(node):
         _run_cudnn(node, "wgrad", x, g, out)
         return out
@@ -203,10 +229,11 @@ def _fallback_conv(node: Node, x, w):
     dtype = node.dtype.name
     attrs = _attrs(node)
     x, w = _widened(x, dtype), _widened(w, dtype)
-    groups, sizes = attrs["groups"], node.shape[2:]
+    shape = channels_first_shape(node.shape, _last(node))
+    groups, sizes = attrs["groups"], shape[2:]
     columns = _columns(x, w.shape[2:], attrs, sizes)
     matrix = w.reshape(groups, w.shape[0] // groups, -1)
-    result = (matrix @ columns).reshape(node.shape)
+    result = (matrix @ columns).reshape(shape)
     return _narrowed(result, dtype)
 
 
@@ -216,21 +243,22 @@ def _fallback_data_grad(node: Node, g, w):
     dtype = node.dtype.name
     attrs = _attrs(node)
     g, w = _widened(g, dtype), _widened(w, dtype)
+    shape = channels_first_shape(node.shape, _last(node))
     groups, kernel, sizes = attrs["groups"], w.shape[2:], g.shape[2:]
-    batch, channels = node.shape[:2]
+    batch, channels = shape[:2]
     matrix = w.reshape(groups, w.shape[0] // groups, -1)  # [g, O/g, C/g * taps]
     grads = g.reshape(batch, groups, g.shape[1] // groups, -1)
     columns = cupy.swapaxes(matrix, 1, 2) @ grads  # [N, g, C/g * taps, R]
     taps = _taps(kernel)
     columns = columns.reshape(batch, channels, len(taps), *sizes)
     padded_size = [
-        size + before + after for size, (before, after) in zip(node.shape[2:], attrs["padding"])
+        size + before + after for size, (before, after) in zip(shape[2:], attrs["padding"])
     ]
     padded = cupy.zeros((batch, channels, *padded_size), dtype=columns.dtype)
     for index, tap in enumerate(taps):
         _tap_view(padded, tap, attrs, sizes)[...] += columns[:, :, index]
     inside = tuple(
-        slice(before, before + size) for size, (before, _) in zip(node.shape[2:], attrs["padding"])
+        slice(before, before + size) for size, (before, _) in zip(shape[2:], attrs["padding"])
     )
     return _narrowed(padded[(Ellipsis, *inside)], dtype)
 

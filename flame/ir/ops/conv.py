@@ -19,6 +19,13 @@ The three ops close under differentiation, so higher-order gradients are more of
 A transposed convolution is ``conv_data_grad`` of its input (the gradient relationship), so
 it needs no op of its own.
 
+``channels_last=True``: the input, the result and the incoming gradient are laid out
+[N, *spatial, C] instead (the weight keeps [O, C/groups, *K]). The front end chooses it for
+16-bit 2-d convolutions (flame/nn/convolution.py): cuDNN's Hopper kernels compute in that
+layout, so an NCHW tensor costs a transpose each way per call, while a channels-last one is
+written in that order by the FLAME kernel that computes it (a permute folds into its index
+map) and read through a permuted view by the kernels after it.
+
 The references sum over the kernel taps directly, in float64, whatever the dtype (the oracle
 of the tests). On the GPU the ops run through cuDNN's graph API, or a CuPy fallback where
 cuDNN is absent (``flame/runtime/library_conv.py``).
@@ -34,7 +41,27 @@ from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
-CONV_ATTRS = {"stride": (), "padding": (), "dilation": (), "groups": 1}
+CONV_ATTRS = {"stride": (), "padding": (), "dilation": (), "groups": 1, "channels_last": False}
+
+
+def channels_first_shape(shape, channels_last: bool) -> tuple[int, ...]:
+    """[N, *S, C] -> [N, C, *S] where ``channels_last``; the shape as it is otherwise."""
+    shape = tuple(shape)
+    return (shape[0], shape[-1], *shape[1:-1]) if channels_last else shape
+
+
+def channels_last_shape(shape, channels_last: bool) -> tuple[int, ...]:
+    """[N, C, *S] -> [N, *S, C] where ``channels_last``."""
+    shape = tuple(shape)
+    return (shape[0], *shape[2:], shape[1]) if channels_last else shape
+
+
+class _Logical:
+    """A node's dtype with its shape seen channels-first (for the shared shape checks)."""
+
+    def __init__(self, node, channels_last: bool):
+        self.dtype = node.dtype
+        self.shape = channels_first_shape(node.shape, channels_last)
 
 
 def _shown(node) -> str:
@@ -105,6 +132,24 @@ def _result_sizes(op: str, sizes, kernel, attrs, shown: str) -> tuple[int, ...]:
 
 
 def _conv_rule(inputs, attrs):
+    last = attrs.get("channels_last", False)
+    dtype, shape = _conv_rule_first((_Logical(inputs[0], last), inputs[1]), attrs)
+    return dtype, channels_last_shape(shape, last)
+
+
+def _data_grad_rule(inputs, attrs):
+    last = attrs.get("channels_last", False)
+    dtype, shape = _data_grad_rule_first((_Logical(inputs[0], last), inputs[1]), attrs)
+    return dtype, channels_last_shape(shape, last)
+
+
+def _weight_grad_rule(inputs, attrs):
+    last = attrs.get("channels_last", False)
+    logical = (_Logical(inputs[0], last), _Logical(inputs[1], last))
+    return _weight_grad_rule_first(logical, attrs)
+
+
+def _conv_rule_first(inputs, attrs):
     x, w = inputs
     _check_float("conv", x, w)
     spatial = len(x.shape) - 2
@@ -119,7 +164,7 @@ def _conv_rule(inputs, attrs):
     return x.dtype, (x.shape[0], w.shape[0], *sizes)
 
 
-def _data_grad_rule(inputs, attrs):
+def _data_grad_rule_first(inputs, attrs):
     g, w = inputs
     _check_float("conv_data_grad", g, w)
     spatial = len(g.shape) - 2
@@ -145,7 +190,7 @@ def _data_grad_rule(inputs, attrs):
     return g.dtype, (g.shape[0], w.shape[1] * attrs["groups"], *input_size)
 
 
-def _weight_grad_rule(inputs, attrs):
+def _weight_grad_rule_first(inputs, attrs):
     x, g = inputs
     _check_float("conv_weight_grad", x, g)
     spatial = len(x.shape) - 2
@@ -189,8 +234,18 @@ def _grouped(array, groups: int):
     return array.reshape(array.shape[0], groups, array.shape[1] // groups, *array.shape[2:])
 
 
-def _conv_ref(x, w, stride=(), padding=(), dilation=(), groups=1):
-    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+def _first(array, channels_last: bool):
+    """A channels-last array seen channels-first (a view)."""
+    array = np.asarray(array, np.float64)
+    return np.moveaxis(array, -1, 1) if channels_last else array
+
+
+def _last(array, channels_last: bool):
+    return np.ascontiguousarray(np.moveaxis(array, 1, -1)) if channels_last else array
+
+
+def _conv_ref(x, w, stride=(), padding=(), dilation=(), groups=1, channels_last=False):
+    x, w = _first(x, channels_last), np.asarray(w, np.float64)
     kernel = w.shape[2:]
     sizes = output_sizes(x.shape[2:], kernel, stride, padding, dilation)
     padded = _grouped(np.pad(x, [(0, 0), (0, 0), *padding]), groups)
@@ -199,11 +254,13 @@ def _conv_ref(x, w, stride=(), padding=(), dilation=(), groups=1):
     for tap in itertools.product(*map(range, kernel)):
         patch = padded[(slice(None),) * 3 + _tap_slices(tap, stride, dilation, sizes)]
         result += np.einsum("ngc...,goc->ngo...", patch, weights[(Ellipsis, *tap)])
-    return result.reshape(x.shape[0], w.shape[0], *sizes)
+    return _last(result.reshape(x.shape[0], w.shape[0], *sizes), channels_last)
 
 
-def _data_grad_ref(g, w, stride=(), padding=(), dilation=(), groups=1, input_size=()):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+def _data_grad_ref(
+    g, w, stride=(), padding=(), dilation=(), groups=1, input_size=(), channels_last=False
+):
+    g, w = _first(g, channels_last), np.asarray(w, np.float64)
     kernel, sizes = w.shape[2:], g.shape[2:]
     padded_size = [size + before + after for size, (before, after) in zip(input_size, padding)]
     grads = _grouped(g, groups)
@@ -213,11 +270,14 @@ def _data_grad_ref(g, w, stride=(), padding=(), dilation=(), groups=1, input_siz
         where = (slice(None),) * 3 + _tap_slices(tap, stride, dilation, sizes)
         padded[where] += np.einsum("ngo...,goc->ngc...", grads, weights[(Ellipsis, *tap)])
     inside = tuple(slice(before, before + size) for size, (before, _) in zip(input_size, padding))
-    return padded[(slice(None),) * 3 + inside].reshape(g.shape[0], w.shape[1] * groups, *input_size)
+    result = padded[(slice(None),) * 3 + inside]
+    return _last(result.reshape(g.shape[0], w.shape[1] * groups, *input_size), channels_last)
 
 
-def _weight_grad_ref(x, g, stride=(), padding=(), dilation=(), groups=1, kernel_size=()):
-    x, g = np.asarray(x, np.float64), np.asarray(g, np.float64)
+def _weight_grad_ref(
+    x, g, stride=(), padding=(), dilation=(), groups=1, kernel_size=(), channels_last=False
+):
+    x, g = _first(x, channels_last), _first(g, channels_last)
     sizes = g.shape[2:]
     padded = _grouped(np.pad(x, [(0, 0), (0, 0), *padding]), groups)
     flat_grads = _grouped(g, groups).reshape(g.shape[0], groups, g.shape[1] // groups, -1)
@@ -255,18 +315,34 @@ def _build(op_name: str, *inputs, **attrs):
 
 
 def _common(attrs) -> dict:
-    return {name: attrs[name] for name in CONV_ATTRS}
+    common = {name: attrs.get(name, default) for name, default in CONV_ATTRS.items()}
+    if not common["channels_last"]:
+        del common["channels_last"]  # the attribute as the front end leaves it: absent
+    return common
+
+
+def _spatial(node, attrs) -> tuple[int, ...]:
+    return tuple(channels_first_shape(node.shape, attrs.get("channels_last", False))[2:])
+
+
+def _dense(F, g, attrs):
+    """A channels-last gradient written in its own order before cuDNN reads it: the kernel
+    that computes it (or a copy) writes [N, *S, C] memory, instead of cuDNN transposing an
+    NCHW value read through a permuted view."""
+    return F.copy(g) if attrs.get("channels_last", False) else g
 
 
 def _conv_vjp(F, g, out, x, w, **attrs):
     common = _common(attrs)
-    data = _build("conv_data_grad", g, w, input_size=tuple(x.shape[2:]), **common)
+    g = _dense(F, g, attrs)
+    data = _build("conv_data_grad", g, w, input_size=_spatial(x, attrs), **common)
     weight = _build("conv_weight_grad", x, g, kernel_size=tuple(w.shape[2:]), **common)
     return data, weight
 
 
 def _data_grad_vjp(F, c, out, g, w, **attrs):
     common = _common(attrs)
+    c = _dense(F, c, attrs)
     return (
         _build("conv", c, w, **common),
         _build("conv_weight_grad", c, g, kernel_size=tuple(w.shape[2:]), **common),
@@ -276,7 +352,7 @@ def _data_grad_vjp(F, c, out, g, w, **attrs):
 def _weight_grad_vjp(F, c, out, x, g, **attrs):
     common = _common(attrs)
     return (
-        _build("conv_data_grad", g, c, input_size=tuple(x.shape[2:]), **common),
+        _build("conv_data_grad", g, c, input_size=_spatial(x, attrs), **common),
         _build("conv", x, c, **common),
     )
 
