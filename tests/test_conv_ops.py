@@ -573,7 +573,17 @@ def _bf16_values(case: Case, arrays, seed):
     return values, ops
 
 
-LAYOUT_CASES = [case for case in CASES if len(case.input_shape()) == 4][::2]
+def _pointwise(case: Case) -> bool:
+    """A 1x1, stride-1, unpadded, ungrouped conv2d: one matmul, not a conv op."""
+    return (
+        not case.transposed and set(case.kernel) == {1} and case.stride in (1, (1, 1))
+        and case.padding in (0, (0, 0), "valid", "same") and case.groups == 1
+    )  # fmt: skip
+
+
+LAYOUT_CASES = [case for case in CASES if len(case.input_shape()) == 4 and not _pointwise(case)][
+    ::2
+]
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=str)
@@ -615,3 +625,26 @@ def test_channels_last_ops_match_the_channels_first_references(rng):
     dw = conv._weight_grad_ref(x, g, kernel_size=(3, 3), **attrs)
     got = conv._weight_grad_ref(last(x), last(g), kernel_size=(3, 3), channels_last=True, **attrs)
     np.testing.assert_allclose(got, dw)
+
+
+@pytest.mark.parametrize("dtype", [fl.float32, fl.bfloat16])
+def test_pointwise_conv2d_is_one_matmul(dtype, rng, reference_backend):
+    """A 1x1 convolution (stride 1, no padding, one group) is a batched GEMM on the NCHW
+    memory, forward and backward: no conv op, no layout change; values as PyTorch's."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the reference for these checks")
+    x = _rounded([rng.standard_normal((2, 6, 5, 7)).astype(np.float32)], dtype)[0]
+    w = _rounded([rng.standard_normal((4, 6, 1, 1)).astype(np.float32)], dtype)[0]
+    primals = [fl.tensor(x).to(dtype), fl.tensor(w).to(dtype)]
+    out, pullback = fl.vjp(lambda a, b: F.conv2d(a, b), *primals)
+    grads = pullback(fl.ones(out.shape, dtype=dtype))
+    ops = set(graph_ops(out, *grads))
+    assert "matmul" in ops and not any(op.startswith("conv") for op in ops), ops
+    tx, tw = (torch.from_numpy(np.asarray(a, np.float64)).requires_grad_() for a in (x, w))
+    ty = torch.nn.functional.conv2d(tx, tw)
+    ty.backward(torch.ones_like(ty))
+    tolerance = 1e-5 if dtype is fl.float32 else 2e-2
+    for got, want in ((out, ty), (grads[0], tx.grad), (grads[1], tw.grad)):
+        want = want.detach().numpy()
+        np.testing.assert_allclose(
+            got.float().numpy(), want, rtol=tolerance, atol=tolerance * np.abs(want).max()
+        )

@@ -172,7 +172,15 @@ def _conv(op: str, x: Tensor, weight: Tensor, bias, stride, pairs, dilation, gro
         "stride": tuple(stride), "padding": tuple(pairs), "dilation": tuple(dilation),
         "groups": groups,
     }  # fmt: skip
-    if _channels_last(x):
+    pointwise = set(weight.shape[2:]) == {1} and set(stride) == {1} and groups == 1
+    if pointwise and not any(before or after for before, after in pairs):
+        # a 1x1 convolution is one batched GEMM on NCHW memory (cuBLAS), no layout change:
+        # [O, C] @ [N, C, H*W] -> [N, O, H*W]
+        batch, channels = x.shape[:2]
+        columns = reshape(x, (batch, channels, -1))
+        result = matmul(reshape(weight, (weight.shape[0], channels)), columns)
+        result = reshape(result, (batch, weight.shape[0], *x.shape[2:]))
+    elif _channels_last(x):
         result = apply_op("conv", _to_channels_last(x), weight, channels_last=True, **attrs)
         result = permute(result, (0, 3, 1, 2))
     else:
