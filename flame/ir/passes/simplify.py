@@ -19,6 +19,7 @@ from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.rewrite import with_inputs
+from flame.ir.views import View, resolve, storage_view
 
 
 def constant_value(node: Node):
@@ -93,6 +94,11 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         inner = child.attr("dims")
         dims = tuple(inner[d] for d in node.attr("dims"))
         return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
+    if op == "reshape" and not _reshape_stays_strided(attrs, child, keep):
+        # pushed down, the reshape would reach a value it cannot view (a group's statistic
+        # broadcast over [N, G, Cg*H*W], reshaped to [N, C, H, W]): that value would be
+        # written out at full size. Computed in its own shape, the result is viewed instead.
+        return node
     if get_op(child.op).kind != "elementwise" or id(child) in keep:
         # ``keep``: graph outputs, and values a library call (matmul) reads from memory --
         # written anyway, so read them through the view rather than recompute them in
@@ -108,6 +114,23 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
         for grand in child.inputs
     )
     return make_node(child.op, inputs, dict(child.attrs), child.site)
+
+
+def _reshape_stays_strided(attrs, child: Node, keep) -> bool:
+    """Whether a reshape pushed down through the elementwise ops under ``child`` lands on
+    values it can read as strided views (their own layout: contiguous, or a realized input's)."""
+    if child.op == "const" and child.shape == ():
+        return True
+    if get_op(child.op).kind == "elementwise" and id(child) not in keep and child.buffer is None:
+        return all(_reshape_stays_strided(attrs, grand, keep) for grand in child.inputs)
+    tentative = make_node("reshape", (child,), dict(attrs), child.site)
+    if tentative.shape == child.shape:
+        return True
+    return resolve(tentative, _own_view, lambda movement: True) is not None
+
+
+def _own_view(node: Node) -> View:
+    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
 
 def _identity_movement(node: Node, keep) -> Node | None:
