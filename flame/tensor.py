@@ -473,6 +473,9 @@ def realize(*tensors: Tensor) -> tuple[Tensor, ...] | Tensor:
     return tensors[0] if len(tensors) == 1 else tensors
 
 
+CUDNN_OPS = frozenset({"conv", "conv_data_grad", "conv_weight_grad", "attention"})
+
+
 def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
     """Build a movement, reduce or library op over tensors. The op's ``shape_rule`` checks
     the inputs and gives the result type; errors name the op and the user's line."""
@@ -488,4 +491,8 @@ def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
     except (ShapeError, TypeError, ValueError, IndexError) as error:
         raise _with_site(error, site) from None
     node = Node(op_name, nodes, tuple(sorted(attrs.items())), dtype, tuple(shape), site)
+    if backend_name == "cuda" and op_name in CUDNN_OPS:
+        from flame.runtime.library_cudnn import start_loading
+
+        start_loading()  # cuDNN's start-up overlaps the rest of the trace and the compile
     return result(node, backend_name)

@@ -501,8 +501,11 @@ def test_compiled_training_step_with_a_conv_replays(cudnn_enabled, rng, cuda_bac
         w.copy_(w.numpy() - 0.1 * want_grads[0].numpy())  # in place: same address, new values
     info = graphed.cache_info()
     assert info.traces == 1
-    if info.graph_captures:  # conv is captured only where FLAME lists it as capturable
-        assert info.graph_captures == 1 and info.graph_replays == 2 and not info.graph_failures
+    if cudnn_enabled and fl.backends.cudnn.is_available():  # cuDNN's plans are captured
+        assert info.graph_captures == 1 and info.graph_replays == 2, info
+        assert not info.graph_failures, info.graph_failures
+    else:  # the CuPy fallback's cuBLAS calls refuse a capture: the step runs uncaptured
+        assert info.graph_captures == 1 or info.graph_failures, info
 
 
 PLAN_SCRIPT = textwrap.dedent(

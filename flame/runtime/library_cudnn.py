@@ -29,6 +29,7 @@ from flame.records import Record
 _LOCK = threading.RLock()
 _SESSION: dict = {}  # filled once: module, handle, version, or the reason cuDNN is unusable
 _PLANS: dict[tuple, Plan] = {}
+_LOADING: threading.Thread | None = None  # start_loading's thread
 
 # cuDNN data types by FLAME dtype name (bfloat16 arrays are uint16 bits in CuPy)
 _TYPE_NAMES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float64": "DOUBLE"}
@@ -101,6 +102,20 @@ def _load() -> dict:
             stream=None,
         )  # fmt: skip
         return _SESSION
+
+
+def start_loading() -> None:
+    """Begin loading cuDNN on a background thread (its handle costs ~5 s the first time in a
+    process: the library maps its kernels), so that it overlaps tracing, planning and NVRTC.
+    Called when a convolution or attention op is built for the GPU; ``_load`` waits for it."""
+    global _LOADING
+    if _SESSION or _LOADING is not None:
+        return
+    with _LOCK:
+        if _SESSION or _LOADING is not None:
+            return
+        _LOADING = threading.Thread(target=_load, name="flame-cudnn-load", daemon=True)
+        _LOADING.start()
 
 
 def status() -> CudnnStatus:
