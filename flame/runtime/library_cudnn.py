@@ -195,7 +195,7 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
         if blob is not None:
             try:
                 graph = _new_graph(session, io_type)
-                graph.deserialize(session["handle"], list(blob))
+                _deserialize(graph, session["handle"], blob)
                 origin = "disk"
             except Exception:  # noqa: BLE001 (a stale or foreign blob: build it instead)
                 graph = None
@@ -219,6 +219,15 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
         made = Plan(graph, int(graph.get_workspace_size()), key, origin, elapsed)
         _PLANS[key] = made
         return made
+
+
+def _deserialize(graph, handle, blob: bytes) -> None:
+    """A serialized plan back into ``graph``: as bytes where the frontend takes them (a list
+    of ints costs a Python object per byte of a plan of tens of kilobytes)."""
+    try:
+        graph.deserialize(handle, blob)
+    except TypeError:
+        graph.deserialize(handle, list(blob))
 
 
 def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:

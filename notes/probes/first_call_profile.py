@@ -58,4 +58,6 @@ print(
 )
 for op, origin, ms in library_cudnn.plan_times():
     print(f"plan {op:14s} {origin:6s} {ms:8.1f} ms")
+for made in library_cudnn._PLANS.values():
+    print(made.key[0], "serialized bytes", len(bytes(made.graph.serialize())))
 pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
