@@ -149,52 +149,43 @@ def _result(node: Node, computed):
     return computed
 
 
-@implements("conv")
-def conv(node: Node, arrays: list):
-    x, w = (_readable(array, node.dtype.name) for array in arrays)
+def _convolution(node: Node, arrays: list, kind: str, fallback):
+    """One of the three ops: ``kind`` fprop (x, w), dgrad (dy, w) or wgrad (x, dy), through
+    cuDNN or ``fallback(node, first, second)``; channels-last operands are handed on as
+    channels-first views (the weight and the weight gradient keep their one layout)."""
+    first, second = (_readable(array, node.dtype.name) for array in arrays)
     out = _empty(node)
     if out.size == 0:
         return out
-    if x.size == 0 or w.size == 0:
+    if first.size == 0 or second.size == 0:
         out.fill(0)
         return out
-    x, view = _channels_first(x, _last(node)), _channels_first(out, _last(node))
+    last = _last(node)
+    first = _channels_first(first, last)
+    if kind == "wgrad":
+        second, view = _channels_first(second, last), out
+    else:
+        view = _channels_first(out, last)
     if _use_cudnn(node):
-        _run_cudnn(node, "fprop", x, w, view)
+        _run_cudnn(node, kind, first, second, view)
         return out
-    return _result(node, _fallback_conv(node, x, w))
+    computed = fallback(node, first, second)
+    return computed if kind == "wgrad" else _result(node, computed)
+
+
+@implements("conv")
+def conv(node: Node, arrays: list):
+    return _convolution(node, arrays, "fprop", _fallback_conv)
 
 
 @implements("conv_data_grad")
 def conv_data_grad(node: Node, arrays: list):
-    g, w = (_readable(array, node.dtype.name) for array in arrays)
-    out = _empty(node)
-    if out.size == 0:
-        return out
-    if g.size == 0 or w.size == 0:
-        out.fill(0)
-        return out
-    g, view = _channels_first(g, _last(node)), _channels_first(out, _last(node))
-    if _use_cudnn(node):
-        _run_cudnn(node, "dgrad", g, w, view)
-        return out
-    return _result(node, _fallback_data_grad(node, g, w))
+    return _convolution(node, arrays, "dgrad", _fallback_data_grad)
 
 
 @implements("conv_weight_grad")
 def conv_weight_grad(node: Node, arrays: list):
-    x, g = (_readable(array, node.dtype.name) for array in arrays)
-    out = _empty(node)
-    if out.size == 0:
-        return out
-    if x.size == 0 or g.size == 0:
-        out.fill(0)
-        return out
-    x, g = _channels_first(x, _last(node)), _channels_first(g, _last(node))
-    if _use_cudnn(node):
-        _run_cudnn(node, "wgrad", x, g, out)
-        return out
-    return _fallback_weight_grad(node, x, g)
+    return _convolution(node, arrays, "wgrad", _fallback_weight_grad)
 
 
 # --- the CuPy fallback (im2col) ----------------------------------------------------------------
