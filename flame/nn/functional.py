@@ -208,8 +208,8 @@ from flame.nn.activations import (  # noqa: E402
     softsign,
 )
 
-# The layers' ops (flame/nn/convolution.py, pooling.py, interpolation.py, attention.py,
-# normalization.py): compositions of public ops until the fused kernels of issue 20 arrive.
+# The layers' ops (flame/nn/convolution.py, folding.py, pooling.py, interpolation.py,
+# attention.py, normalization.py).
 from flame.nn.attention import (  # noqa: E402
     multi_head_attention_forward,
     scaled_dot_product_attention,
@@ -220,10 +220,9 @@ from flame.nn.convolution import (  # noqa: E402
     conv2d,
     conv_transpose1d,
     conv_transpose2d,
-    fold,
     linear,
-    unfold,
 )
+from flame.nn.folding import fold, unfold  # noqa: E402
 from flame.nn.interpolation import interpolate  # noqa: E402
 from flame.nn.losses import (  # noqa: E402
     binary_cross_entropy,
