@@ -18,7 +18,7 @@ import pytest
 from gradcheck import check_against_finite_differences, check_against_torch
 
 import flame as fl
-from flame.nn import attention, convolution, normalization, pooling
+from flame.nn import attention, convolution, folding, normalization, pooling
 
 
 def torch_module():
@@ -132,16 +132,16 @@ def test_conv_transpose2d_is_the_adjoint_of_conv2d(
 
 def test_fold_is_the_adjoint_of_unfold(rng, reference_backend):
     x = fl.from_numpy(_random(rng, 2, 3, 7, 8))
-    columns = convolution.unfold(x, (2, 3), dilation=2, padding=1, stride=(2, 1))
+    columns = folding.unfold(x, (2, 3), dilation=2, padding=1, stride=(2, 1))
     y = fl.from_numpy(_random(rng, *columns.shape))
-    folded = convolution.fold(y, (7, 8), (2, 3), dilation=2, padding=1, stride=(2, 1))
+    folded = folding.fold(y, (7, 8), (2, 3), dilation=2, padding=1, stride=(2, 1))
     assert folded.shape == x.shape
     assert _inner(columns, y) == pytest.approx(_inner(x, folded), rel=1e-4)
 
 
 def test_unfold_orders_channels_then_taps(rng, reference_backend):
     x = _random(rng, 1, 2, 3, 3)
-    columns = convolution.unfold(fl.from_numpy(x), 2).numpy()
+    columns = folding.unfold(fl.from_numpy(x), 2).numpy()
     assert columns.shape == (1, 8, 4)
     # row c*4 + i*2 + j holds x[c, y+i, z+j] for block (y, z) at column y*2 + z
     expected = np.stack(
@@ -330,7 +330,7 @@ ERROR_CASES = [
      ValueError, r"output padding must be smaller than either stride or dilation"),
     ("linear features", lambda: convolution.linear(_zeros(2, 5), _zeros(3, 4)), fl.ShapeError,
      r"linear: input float32\[2, 5\] has 5 features"),
-    ("fold blocks", lambda: convolution.fold(_zeros(1, 12, 5), (4, 4), 2), fl.ShapeError,
+    ("fold blocks", lambda: folding.fold(_zeros(1, 12, 5), (4, 4), 2), fl.ShapeError,
      r"fold: expected size 5 of dim 2 .* 3 \* 3 = 9"),
     ("avg_pool2d padding", lambda: pooling.avg_pool2d(_zeros(1, 1, 5, 5), 2, padding=2),
      ValueError, r"avg_pool2d: pad should be non-negative and at most half"),
@@ -496,13 +496,13 @@ def test_unfold_and_fold_match_torch(kernel, dilation, padding, stride, rng):
     torch = torch_module()
     arguments = (kernel, dilation, padding, stride)
     check_against_torch(
-        lambda x: convolution.unfold(x, *arguments),
+        lambda x: folding.unfold(x, *arguments),
         lambda x: torch.nn.functional.unfold(x, *arguments),
         [_random(rng, 2, 3, 7, 8)], [0], rng,
     )  # fmt: skip
     columns = torch.nn.functional.unfold(torch.zeros(2, 3, 7, 8), *arguments)
     check_against_torch(
-        lambda x: convolution.fold(x, (7, 8), *arguments),
+        lambda x: folding.fold(x, (7, 8), *arguments),
         lambda x: torch.nn.functional.fold(x, (7, 8), *arguments),
         [_random(rng, *columns.shape)], [0], rng,
     )  # fmt: skip
@@ -810,7 +810,7 @@ GPU_CASES = [
      [(2, 4, 5, 6), (4, 3, 3, 3), (6,)]),
     ("linear", convolution.linear, [(3, 5, 4), (6, 4), (6,)]),
     ("fold-unfold",
-     lambda x: convolution.fold(convolution.unfold(x, 3, 1, 1, 2), (7, 8), 3, 1, 1, 2),
+     lambda x: folding.fold(folding.unfold(x, 3, 1, 1, 2), (7, 8), 3, 1, 1, 2),
      [(2, 3, 7, 8)]),
     ("avg_pool2d", lambda x: pooling.avg_pool2d(x, 3, 2, 1, True, False), IMAGES),
     ("max_pool2d", lambda x: pooling.max_pool2d(x, 3, 2, 1, 1, True), IMAGES),
