@@ -222,12 +222,9 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
 
 
 def _deserialize(graph, handle, blob: bytes) -> None:
-    """A serialized plan back into ``graph``: as bytes where the frontend takes them (a list
-    of ints costs a Python object per byte of a plan of tens of kilobytes)."""
-    try:
-        graph.deserialize(handle, blob)
-    except TypeError:
-        graph.deserialize(handle, list(blob))
+    """A serialized plan back into ``graph`` (frontend 1.22 takes the list of byte values
+    that ``serialize`` gives; bytes are refused)."""
+    graph.deserialize(handle, list(blob))
 
 
 def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
