@@ -79,7 +79,7 @@ def test_variants_compile_for_sm90(part, nvrtc):
 # tile configurations the bench A/Bs (FLAME_FLASH_TILES): each must compile and be right
 TILE_VARIANTS = ["fwd=4x1x64q,bwd=4x64", "fwd=4x2x32", "fwd=4x2x64q", "fwd=8x1x64,bwd=8x64",
                  "bwd=8x32", "fwd=4x2x32x3,bwd=4x32x1", "fwd=4x2x64x3q,bwd=4x64x1",
-                 "fwd=4x1x64x2q"]  # fmt: skip
+                 "fwd=4x1x64x2q", "bwd=8x64p", "bwd=4x32p", "bwd=4x64p"]  # fmt: skip
 
 
 def test_tiles_override(monkeypatch):
@@ -94,6 +94,13 @@ def test_tiles_override(monkeypatch):
     assert fa.tiles(64, 64) == (fa.ForwardTiles(4, 2, 32, False, 3),
                                 fa.BackwardTiles(4, 32, True, 1))  # fmt: skip
     assert fa.tiles(256, 256)[1].buffers == 1  # two would cost the second block an SM
+    monkeypatch.setenv(fa.TILES_VARIABLE, "bwd=8x64p")
+    assert fa.tiles(128, 128)[1] == fa.BackwardTiles(8, 64, True, 2, True)
+    assert fa.tiles(40, 40)[1] == fa.BackwardTiles(8, 64, True, 2)  # 48 columns: plain layout
+    for bad in ("bwd=7x64p", "bwd=8x48p", "bwd=8x64x1p", "bwd=2x128p"):
+        monkeypatch.setenv(fa.TILES_VARIABLE, bad)
+        with pytest.raises(ValueError, match="FLAME_FLASH_TILES"):
+            fa.tiles(64, 64)
     monkeypatch.setenv(fa.TILES_VARIABLE, "fwd=4x2")
     with pytest.raises(ValueError, match="FLAME_FLASH_TILES"):
         fa.tiles(64, 64)

@@ -63,6 +63,10 @@ class BackwardTiles(NamedTuple):
     block_queries: int  # queries per tile
     accumulate_in_registers: bool  # dK, dV in registers, else in a float32 global scratch
     buffers: int = 2  # Q/dO/dS buffers: 2 = the next query tile loads a whole tile ahead
+    # warps in pairs: a pair owns 32 keys, its two warps split the queries of S^T/dP^T and the
+    # columns of dK/dV (P^T and dS^T through shared memory); needs even warps, block_queries
+    # a multiple of 32, padded head dims multiples of 32, and two buffers
+    paired: bool = False
 
 
 TILES_VARIABLE = "FLAME_FLASH_TILES"
@@ -71,9 +75,11 @@ TILES_VARIABLE = "FLAME_FLASH_TILES"
 def tiles(head_dim: int, value_dim: int) -> tuple[ForwardTiles, BackwardTiles]:
     """The tile configuration for a pair of head dims, sized so registers and shared memory
     fit (see notes/flash-attention.md). ``FLAME_FLASH_TILES`` overrides it for head dims up to
-    128, for A/B runs: ``fwd=WxMxBC[xS][q],bwd=WxBR[xN]`` (either part may be left out; ``q``:
-    Q in registers; S: K/V stages, default 2; N: Q/dO buffers, 1 or 2, default 2), e.g.
-    ``fwd=4x1x64x1q,bwd=4x64x1`` is close to the first, untuned configuration."""
+    128, for A/B runs: ``fwd=WxMxBC[xS][q],bwd=WxBR[xN][p]`` (either part may be left out;
+    ``q``: Q in registers; S: K/V stages, default 2; N: Q/dO buffers, 1 or 2, default 2; ``p``:
+    the paired backward layout, ``BackwardTiles.paired``), e.g. ``fwd=4x1x64x2q,bwd=4x64x1`` is
+    close to the first, untuned configuration. Where a head dim does not allow the paired
+    layout (padded dims not multiples of 32), it keeps the plain one."""
     widest = max(_padded(head_dim), _padded(value_dim))
     if widest <= 64:
         fwd, bwd = ForwardTiles(4, 2, 64, True), BackwardTiles(4, 64, True)
@@ -84,6 +90,8 @@ def tiles(head_dim: int, value_dim: int) -> tuple[ForwardTiles, BackwardTiles]:
     override = os.environ.get(TILES_VARIABLE, "").strip()
     if override:
         fwd, bwd = _parse_tiles(override, fwd, bwd)
+        if bwd.paired and (_padded(head_dim) % 32 or _padded(value_dim) % 32):
+            bwd = bwd._replace(paired=False)
     return fwd, bwd
 
 
@@ -101,15 +109,22 @@ def _parse_tiles(text: str, fwd: ForwardTiles, bwd: BackwardTiles):
                     raise ValueError(value)
                 fwd = ForwardTiles(*numbers[:3], in_registers, *numbers[3:])
             elif key.strip() == "bwd":
-                numbers = [int(x) for x in value.split("x")]
+                paired = value.endswith("p")
+                numbers = [int(x) for x in value.rstrip("p").split("x")]
                 if len(numbers) not in (2, 3):
                     raise ValueError(value)
-                bwd = BackwardTiles(*numbers[:2], bwd.accumulate_in_registers, *numbers[2:])
+                bwd = BackwardTiles(*numbers[:2], bwd.accumulate_in_registers, *numbers[2:3],
+                                    **({"paired": True} if paired else {}))
+                if paired and (
+                    bwd.warps % 2 or bwd.block_queries % 32 or bwd.buffers != 2
+                    or bwd.warps % (bwd.block_queries // 32)
+                ):
+                    raise ValueError(value)
             else:
                 raise ValueError(key)
         except ValueError:
             raise ValueError(
-                f"{TILES_VARIABLE}={text!r}: expected fwd=WxMxBC[q],bwd=WxBR"
+                f"{TILES_VARIABLE}={text!r}: expected fwd=WxMxBC[xS][q],bwd=WxBR[xN][p]"
             ) from None
     assert fwd.block_keys % 16 == 0 and bwd.block_queries % 16 == 0, (fwd, bwd)
     assert fwd.stages >= 2 and bwd.buffers in (1, 2), (fwd, bwd)
@@ -131,7 +146,9 @@ def backward_shared_bytes(head_dim: int, value_dim: int) -> int:
     _, bwd = tiles(head_dim, value_dim)
     keys, queries = 16 * bwd.warps, bwd.block_queries
     q_stride, v_stride = _padded(head_dim) + 8, _padded(value_dim) + 8
-    buffers = bwd.buffers  # of Q, dO, dS^T and the per-row lse, delta
+    # buffers of Q, dO, dS^T and the per-row lse, delta (paired: two of Q, dO, lse, delta and
+    # one each of P^T and dS^T, the same bytes)
+    buffers = bwd.buffers
     elements = (keys + buffers * queries) * (q_stride + v_stride) + buffers * keys * (queries + 8)
     return 2 * elements + 4 * 2 * queries * buffers
 
