@@ -50,6 +50,13 @@ def _identity(node: Node) -> Node | None:
     op = node.op
     if op == "detach":  # an autograd marker: the same value (and, as in PyTorch, memory)
         return node.inputs[0]
+    if get_op(op).kind == "reduce":
+        source = node.inputs[0]
+        if source.dtype is node.dtype and all(source.shape[a] == 1 for a in node.attr("axes")):
+            # a sum/prod/max/min over axes of size 1 is its input, reshaped (a row kernel
+            # cannot hold two reductions whose rows are the same elements)
+            return make_node("reshape", (source,), {"shape": node.shape}, node.site)
+        return None
     if op == "neg" and node.inputs[0].op == "neg":
         return node.inputs[0].inputs[0]
     if op == "cast" and node.inputs[0].dtype is node.dtype:
