@@ -24,7 +24,7 @@ from flame.backend import backend as use_backend
 from flame.creation import tensor as constant
 from flame.creation import zeros, zeros_like
 from flame.functional import where
-from flame.ir.shapes import ShapeError
+from flame.ir.shapes import ShapeError, broadcast_shapes
 from flame.joining import cat
 from flame.linalg import matmul
 from flame.nn.convolution import linear
@@ -61,6 +61,28 @@ def _check_attention(query, key, value, attn_mask, is_causal, enable_gqa) -> Non
             f"{op}: with enable_gqa the query heads ({shown(query)}) must be a multiple of the "
             f"key heads ({shown(key)}) and value heads ({shown(value)})"
         )
+    heads = 3 if enable_gqa else 2  # the head dim may differ only with enable_gqa
+    lead = [tensor.shape[: tensor.ndim - heads] for tensor in (query, key, value)]
+    try:
+        batch = broadcast_shapes(op, *lead)
+    except ShapeError:
+        raise ShapeError(
+            f"{op}: the batch dims of query {shown(query)}, key {shown(key)} and value "
+            f"{shown(value)} do not broadcast"
+        ) from None
+    if attn_mask is not None:
+        checked_tensor(op, attn_mask)
+        scores = (*broadcast_shapes(op, batch, query.shape[-3:-2] if heads == 3 else ()),
+                  query.shape[-2], key.shape[-2])  # fmt: skip
+        try:
+            broadcast_shapes(op, attn_mask.shape, scores)
+        except ShapeError:
+            raise ShapeError(
+                f"{op}: attn_mask {shown(attn_mask)} does not broadcast to the scores "
+                f"{list(scores)} of query {shown(query)} and key {shown(key)}"
+            ) from None
+        if not (attn_mask.dtype.is_bool or attn_mask.dtype.is_float):
+            raise TypeError(f"{op}: attn_mask must be bool or float, got {shown(attn_mask)}")
 
 
 def _repeat_heads(tensor: Tensor, heads: int) -> Tensor:
