@@ -19,7 +19,7 @@ from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node, toposort
 from flame.ir.ops import get_op
 from flame.ir.passes import run_pipeline
-from flame.ir.passes.fuse import library_view
+from flame.ir.passes.library_views import library_view
 from flame.ir.shapes import contiguous_strides
 from flame.records import Record, field
 from flame.runtime import events, warmup

@@ -118,10 +118,16 @@ def _parse_tiles(text: str, fwd: ForwardTiles, bwd: BackwardTiles):
                 numbers = [int(x) for x in value.rstrip("p").split("x")]
                 if len(numbers) not in (2, 3):
                     raise ValueError(value)
-                bwd = BackwardTiles(*numbers[:2], bwd.accumulate_in_registers, *numbers[2:3],
-                                    **({"paired": True} if paired else {}))
+                bwd = BackwardTiles(
+                    *numbers[:2],
+                    bwd.accumulate_in_registers,
+                    *numbers[2:3],
+                    **({"paired": True} if paired else {}),
+                )
                 if paired and (
-                    bwd.warps % 2 or bwd.block_queries % 32 or bwd.buffers != 2
+                    bwd.warps % 2
+                    or bwd.block_queries % 32
+                    or bwd.buffers != 2
                     or bwd.warps % (bwd.block_queries // 32)
                 ):
                     raise ValueError(value)

@@ -32,6 +32,7 @@ from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.cycles import cyclic_components, split_by_levels, split_in_two
+from flame.ir.passes.library_views import library_view, output_view, own_view
 from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
@@ -40,41 +41,9 @@ from flame.ir.passes.row_keys import (
     scalar_shapes,
     written_in_row_order,
 )
-from flame.ir.views import MOVEMENT_OPS, View, resolve, storage_view
+from flame.ir.views import MOVEMENT_OPS, View, resolve
 
 MAX_REDUCE_OUTPUTS = 32  # values one reduce kernel writes (its shared-memory scratch, 1 KiB each)
-
-
-def library_view(node: Node, computed: bool = True):
-    """``(base, view)`` when ``node`` is a chain of views over one value a library call can
-    read in place: ``a @ b.T`` hands cuBLAS the transposed strides instead of a copy. The
-    base is an input, another library call's result, or (with ``computed``) any value this
-    plan writes in its own layout -- the fusion pass then materializes that value. None when
-    the views do not compose to one strided view."""
-    if node.op not in MOVEMENT_OPS:
-        return None
-    resolved = resolve(node, _base_view, lambda m: True)
-    if resolved is None:
-        return None
-    base = resolved[0]
-    if computed or is_input(base) or get_op(base.op).kind == "library":
-        return resolved
-    return None
-
-
-def _base_view(node: Node) -> View:
-    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
-
-
-def output_view(node: Node) -> Node | None:
-    """The library call whose result a graph output ``node`` is a view of, when it can be
-    handed out as that view instead of a copy: a chain of reshapes, slices and permutes (no
-    broadcast: no two elements share memory) over a library result. Packed results (the
-    attention op's O and statistics, its backward's dQ, dK, dV) reach the user this way."""
-    resolved = library_view(node, computed=False)
-    if resolved is None or is_input(resolved[0]) or 0 in resolved[1].strides:
-        return None
-    return resolved[0]
 
 
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
@@ -108,7 +77,7 @@ def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
                 choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
         elif node.op == "reshape":
             follow = lambda m, top=node: m is top or id(m) not in chosen  # noqa: E731
-            if resolve(node, _base_view, follow) is None:
+            if resolve(node, own_view, follow) is None:
                 choose(node.inputs[0], "reshape of a layout that is not a strided view")
     return chosen, reasons
 
@@ -223,7 +192,7 @@ class _Grouping:
             for child in node.inputs:
                 if child.op not in MOVEMENT_OPS or id(child) not in member_ids:
                     continue
-                resolved = resolve(child, _base_view, lambda m: id(m) in member_ids)
+                resolved = resolve(child, own_view, lambda m: id(m) in member_ids)
                 if resolved is None:
                     continue
                 base, view = resolved

@@ -39,7 +39,8 @@ from __future__ import annotations
 from flame.ir.graph import Graph, Group, Remat, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
-from flame.ir.passes.fuse import fuse, library_view
+from flame.ir.passes.fuse import fuse
+from flame.ir.passes.library_views import library_view
 from flame.ir.shapes import prod
 from flame.ir.views import MOVEMENT_OPS
 

@@ -18,8 +18,9 @@ from flame.ir.infer import make_const, make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import with_inputs
-from flame.ir.views import View, resolve, storage_view
+from flame.ir.views import resolve
 
 
 def constant_value(node: Node):
@@ -133,11 +134,7 @@ def _reshape_stays_strided(attrs, child: Node, keep) -> bool:
     tentative = make_node("reshape", (child,), dict(attrs), child.site)
     if tentative.shape == child.shape:
         return True
-    return resolve(tentative, _own_view, lambda movement: True) is not None
-
-
-def _own_view(node: Node) -> View:
-    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
+    return resolve(tentative, own_view, lambda movement: True) is not None
 
 
 def _identity_movement(node: Node, keep) -> Node | None:

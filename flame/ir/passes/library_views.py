@@ -1,0 +1,44 @@
+"""Views of library results: which chains of movement ops a library call (cuBLAS, cuDNN)
+reads in place, and which graph outputs are handed out as views of a library call's result
+instead of copies (shared by the fusion pass, remat, simplify and the executor)."""
+
+from __future__ import annotations
+
+from flame.ir.graph import is_input
+from flame.ir.node import Node
+from flame.ir.ops import get_op
+from flame.ir.views import MOVEMENT_OPS, View, resolve, storage_view
+
+
+def library_view(node: Node, computed: bool = True):
+    """``(base, view)`` when ``node`` is a chain of views over one value a library call can
+    read in place: ``a @ b.T`` hands cuBLAS the transposed strides instead of a copy. The
+    base is an input, another library call's result, or (with ``computed``) any value this
+    plan writes in its own layout -- the fusion pass then materializes that value. None when
+    the views do not compose to one strided view."""
+    if node.op not in MOVEMENT_OPS:
+        return None
+    resolved = resolve(node, own_view, lambda m: True)
+    if resolved is None:
+        return None
+    base = resolved[0]
+    if computed or is_input(base) or get_op(base.op).kind == "library":
+        return resolved
+    return None
+
+
+def own_view(node: Node) -> View:
+    """A value's own layout: a realized input's storage strides, else contiguous (written by
+    a kernel of the plan)."""
+    return storage_view(node) if is_input(node) else View.contiguous(node.shape)
+
+
+def output_view(node: Node) -> Node | None:
+    """The library call whose result a graph output ``node`` is a view of, when it can be
+    handed out as that view instead of a copy: a chain of reshapes, slices and permutes (no
+    broadcast: no two elements share memory) over a library result. Packed results (the
+    attention op's O and statistics, its backward's dQ, dK, dV) reach the user this way."""
+    resolved = library_view(node, computed=False)
+    if resolved is None or is_input(resolved[0]) or 0 in resolved[1].strides:
+        return None
+    return resolved[0]
