@@ -46,13 +46,22 @@ from flame.ir.views import MOVEMENT_OPS, View, resolve
 MAX_REDUCE_OUTPUTS = 32  # values one reduce kernel writes (its shared-memory scratch, 1 KiB each)
 
 
+def handed_out(graph: Graph) -> dict[int, Node]:
+    """Graph outputs handed out as views of a library call's result (``output_view``): only
+    those no other value of the graph reads, since the plan's kernels take every value they
+    read from an earlier kernel to be laid out contiguously."""
+    read = {id(child) for node in graph.nodes for child in node.inputs}
+    return {
+        id(node): node for node in graph.outputs
+        if not is_input(node) and id(node) not in read and output_view(node) is not None
+    }  # fmt: skip
+
+
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
-    for node in chosen.values():
-        base = output_view(node)
-        if base is not None:
-            reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
+    for node in handed_out(graph).values():
+        reasons[id(node)] = f"graph output: a view of {output_view(node).op}'s result (no copy)"
 
     def choose(node: Node, reason: str) -> None:
         if not is_input(node) and id(node) not in chosen:
@@ -214,13 +223,11 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
     dependencies: dict[int, list[Node]] = {}
     order: list[Node] = []
     library = []
-    handed_out = {  # outputs that are views of a library result: library calls of no work
-        id(node) for node in graph.outputs if not is_input(node) and output_view(node)
-    }
+    views = handed_out(graph)  # outputs that are views of a library result: calls of no work
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
-        if get_op(node.op).kind == "library" or id(node) in handed_out:
+        if get_op(node.op).kind == "library" or id(node) in views:
             bucket_of[id(node)] = ("library", id(node))
             _depth(node, materialized, bucket_of, depths, dependencies)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
