@@ -85,10 +85,19 @@ def _identity(node: Node) -> Node | None:
 MOVEMENT = ("expand", "reshape", "permute", "slice")
 
 
-def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
+def _movement(op: str, attrs, child: Node, site, keep=frozenset(), memo=None) -> Node:
     """``op`` over ``child``, pushed through elementwise ops down to the leaves, so that in
     kernels every movement becomes the index map of a load. Broadcasts go through only
-    cheap computations (see RECOMPUTE_LIMIT); expensive ones are written once instead."""
+    cheap computations (see RECOMPUTE_LIMIT); expensive ones are written once instead.
+    ``memo``: one push's results and reshape checks by value (``h * h`` reads h twice)."""
+    memo = {} if memo is None else memo
+    key = (op, id(child))
+    if key not in memo:
+        memo[key] = _pushed(op, attrs, child, site, keep, memo)
+    return memo[key]
+
+
+def _pushed(op: str, attrs, child: Node, site, keep, memo) -> Node:
     node = make_node(op, (child,), dict(attrs), site)
     if node.shape == child.shape and op in ("expand", "reshape"):
         return child
@@ -97,12 +106,13 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
     if child.buffer is not None:
         return node  # realized: an input of this graph, read through the view, never recomputed
     if child.op == op and op in ("expand", "reshape"):  # two steps of one kind are one
-        return _movement(op, attrs, child.inputs[0], site, keep)
+        return _movement(op, attrs, child.inputs[0], site, keep, memo)
     if op == "permute" and child.op == "permute":
         inner = child.attr("dims")
         dims = tuple(inner[d] for d in node.attr("dims"))
-        return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)
-    if op == "reshape" and not _reshape_stays_strided(attrs, child, keep):
+        return _movement("permute", {"dims": dims}, child.inputs[0], site, keep)  # new memo
+    checks = memo.setdefault("reshape checks", {})
+    if op == "reshape" and not _reshape_stays_strided(attrs, child, keep, checks):
         # pushed down, the reshape would reach a value it cannot view (a group's statistic
         # broadcast over [N, G, Cg*H*W], reshaped to [N, C, H, W]): that value would be
         # written out at full size. Computed in its own shape, the result is viewed instead.
@@ -118,23 +128,31 @@ def _movement(op: str, attrs, child: Node, site, keep=frozenset()) -> Node:
     inputs = tuple(
         grand
         if (grand.op == "const" and grand.shape == ())
-        else _movement(op, attrs, grand, site, keep)
+        else _movement(op, attrs, grand, site, keep, memo)
         for grand in child.inputs
     )
     return make_node(child.op, inputs, dict(child.attrs), child.site)
 
 
-def _reshape_stays_strided(attrs, child: Node, keep) -> bool:
+def _reshape_stays_strided(attrs, child: Node, keep, seen=None) -> bool:
     """Whether a reshape pushed down through the elementwise ops under ``child`` lands on
-    values it can read as strided views (their own layout: contiguous, or a realized input's)."""
+    values it can read as strided views (their own layout: contiguous, or a realized input's).
+    ``seen``: the answers so far (a value read twice, ``h * h``, is looked at once)."""
+    seen = {} if seen is None else seen
+    known = seen.get(id(child))
+    if known is not None:
+        return known
     if child.op == "const" and child.shape == ():
-        return True
-    if get_op(child.op).kind == "elementwise" and id(child) not in keep and child.buffer is None:
-        return all(_reshape_stays_strided(attrs, grand, keep) for grand in child.inputs)
-    tentative = make_node("reshape", (child,), dict(attrs), child.site)
-    if tentative.shape == child.shape:
-        return True
-    return resolve(tentative, own_view, lambda movement: True) is not None
+        answer = True
+    elif get_op(child.op).kind == "elementwise" and id(child) not in keep and child.buffer is None:
+        answer = all(_reshape_stays_strided(attrs, grand, keep, seen) for grand in child.inputs)
+    else:
+        tentative = make_node("reshape", (child,), dict(attrs), child.site)
+        answer = tentative.shape == child.shape or (
+            resolve(tentative, own_view, lambda movement: True) is not None
+        )
+    seen[id(child)] = answer
+    return answer
 
 
 def _identity_movement(node: Node, keep) -> Node | None:
