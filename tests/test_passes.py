@@ -327,3 +327,22 @@ def test_a_deep_chain_is_split_in_a_few_rounds_not_one_per_layer(cuda_backend, m
     grads = cotangents([loss], [fl.ones(())], targets, "cuda")
     graph = run_pipeline(Graph(tuple(grads[id(t)].node for t in targets) + (loss.node,)))
     assert graph.groups and len(rounds) <= 10, len(rounds)
+
+
+def test_simplify_pushes_a_reshape_through_shared_operands_once_each(monkeypatch):
+    """``h = h * h + 1`` repeated: every value is read twice, so a push that does not
+    remember what it did visits 2^depth values. Counted, not timed."""
+    import flame.ir.passes.simplify as simplify_module
+
+    calls = []
+    pushed = simplify_module._pushed
+    monkeypatch.setattr(
+        simplify_module, "_pushed", lambda *args: calls.append(1) or pushed(*args)
+    )
+    with fl.backend("cuda"):  # building touches no GPU
+        h = fl.tensor(np.ones((4, 6), np.float32))
+        for _ in range(24):
+            h = h * h + 1
+        out = h.reshape(24)
+    simplify_module.simplify(Graph((out.node,)))
+    assert len(calls) < 200, len(calls)
