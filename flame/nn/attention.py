@@ -172,7 +172,8 @@ def _fusable(query, key, value, attn_mask, dropout_p: float, enable_gqa: bool) -
         return False
     if not (query.dtype is key.dtype is value.dtype) or not key.ndim == value.ndim == query.ndim:
         return False
-    if any(dim % 8 or dim > MAX_FUSED_HEAD_DIM for dim in (query.shape[-1], value.shape[-1])):
+    dims = (query.shape[-1], value.shape[-1])
+    if any(dim == 0 or dim % 8 or dim > MAX_FUSED_HEAD_DIM for dim in dims):
         return False
     if key.shape[:-1] != value.shape[:-1] or query.shape[:-3] != key.shape[:-3]:
         return False

@@ -63,11 +63,13 @@ def _unit_last(array):
 
 
 def _bias_for_cudnn(bias, target):
-    """The bias with its query and key axes present (cuDNN broadcasts batch and heads)."""
+    """The bias as cuDNN reads it (it broadcasts batch and heads only), or None where that
+    would take a copy of [Lq, Lk] size: a key-padding mask [B, 1, 1, Lk] goes to FLAME's
+    flash kernel, which reads it broadcast, so memory stays linear in the lengths."""
     import cupy
 
     if bias.shape[2:] != tuple(target[2:]):
-        bias = cupy.broadcast_to(bias, (*bias.shape[:2], *target[2:]))
+        return None
     if min(bias.strides[2:]) <= 0 or bias.strides[-1] != bias.itemsize:
         bias = cupy.ascontiguousarray(bias)
     return bias
@@ -232,7 +234,8 @@ def attention(node: Node, arrays: list):
         return packed
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    if _try_cudnn(node, lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed)):
+    run = lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed)  # noqa: E731
+    if (bias is None or cudnn_bias is not None) and _try_cudnn(node, run):
         return packed
     _check_flash(node, q, v)
     out, lse = _flash().forward(
@@ -266,7 +269,7 @@ def attention_backward(node: Node, arrays: list):
     stats = packed[count:]
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    if _try_cudnn(
+    if (bias is None or cudnn_bias is not None) and _try_cudnn(
         node,
         lambda: _cudnn_backward(node, q, k, v, cudnn_bias, out, stats.data.ptr, d_out, grads),
     ):

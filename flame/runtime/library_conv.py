@@ -5,7 +5,8 @@ configuration by ``library_cudnn``) computes them for float16, bfloat16 and floa
 may use TF32 tensor cores, as PyTorch's default ``torch.backends.cudnn.allow_tf32``). cuDNN's
 tensors have at least two spatial axes, so a 1-d convolution runs with a unit height.
 Inputs are read in place when their layout is dense (NCHW, or channels-last: a permuted view
-of NHWC memory); other views are copied first. Results are C-contiguous NCHW.
+of NHWC memory) and 16-byte aligned; other views are copied first. Results are C-contiguous
+in the node's layout (NCHW, or NHWC for the channels-last ops).
 
 Without cuDNN (not installed, ``flame.backends.cudnn.enabled = False``, float64), the
 fallback is im2col with CuPy: one strided view per kernel tap stacked into columns, one
@@ -16,6 +17,7 @@ kernel-taps times the input's memory and computes 16-bit types in float32.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from flame.runtime.library import implements
 from flame.runtime.library_scan import _narrowed, _widened
 
 X, W, Y = 1, 2, 3  # tensor uids in every convolution plan
+_REFUSED: set[str] = set()  # configurations cuDNN refused (they take the fallback)
 CUDNN_TYPES = ("float16", "bfloat16", "float32")
 
 
@@ -63,7 +66,9 @@ def _readable(array, dtype_name: str):
 
     if dtype_name == "bfloat16" and array.dtype != np.uint16:
         array = array.view(np.uint16)
-    return array if _dense(array) else cupy.ascontiguousarray(array)
+    if _dense(array) and array.data.ptr % 16 == 0:
+        return array
+    return cupy.ascontiguousarray(array) if not _dense(array) else array.copy()
 
 
 def _as_2d(array, spatial: int):
@@ -166,9 +171,15 @@ def _convolution(node: Node, arrays: list, kind: str, fallback):
         second, view = _channels_first(second, last), out
     else:
         view = _channels_first(out, last)
-    if _use_cudnn(node):
-        _run_cudnn(node, kind, first, second, view)
-        return out
+    if _use_cudnn(node) and describe(node) not in _REFUSED:
+        try:
+            _run_cudnn(node, kind, first, second, view)
+            return out
+        except dnn.CudnnError as error:
+            if "refused" not in str(error):
+                raise
+            _REFUSED.add(describe(node))
+            warnings.warn(f"{error}; the im2col fallback runs it instead", stacklevel=2)
     computed = fallback(node, first, second)
     return computed if kind == "wgrad" else _result(node, computed)
 

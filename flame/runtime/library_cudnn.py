@@ -89,6 +89,9 @@ def _load() -> dict:
         except ImportError as error:
             _SESSION.update(reason=f"the cuDNN frontend is not installed ({error})", frontend="")
             return _SESSION
+        except Exception as error:  # noqa: BLE001 (a broken install: reported, not raised later)
+            _SESSION.update(reason=f"the cuDNN frontend did not import: {error}", frontend="")
+            return _SESSION
         _SESSION["frontend"] = getattr(cudnn, "__version__", "?")
         try:
             version = cudnn.backend_version()
@@ -114,7 +117,18 @@ def start_loading() -> None:
     with _LOCK:
         if _SESSION or _LOADING is not None:
             return
-        _LOADING = threading.Thread(target=_load, name="flame-cudnn-load", daemon=True)
+        import cupy
+
+        try:
+            device = cupy.cuda.runtime.getDevice()  # the handle belongs to the caller's device
+        except Exception:  # noqa: BLE001 (no GPU here: building graphs only, nothing to load)
+            return
+
+        def load_on_device():
+            with cupy.cuda.Device(device):
+                _load()
+
+        _LOADING = threading.Thread(target=load_on_device, name="flame-cudnn-load", daemon=True)
         _LOADING.start()
 
 
@@ -208,6 +222,8 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
                 graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 graph.check_support()
                 graph.build_plans()
+            except (AttributeError, NameError) as error:  # FLAME's use of the frontend: a bug
+                raise CudnnError(f"{describe}: building the cuDNN graph failed: {error}") from error
             except Exception as error:  # noqa: BLE001 (cuDNN raises several types)
                 raise CudnnError(f"{describe}: cuDNN refused the configuration: {error}") from None
             origin = "built"
@@ -232,12 +248,13 @@ def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
     import cupy
 
     session = _load()
-    _bind_stream(session)
     workspace = cupy.empty(max(made.workspace, 1), dtype=cupy.uint8)
-    try:
-        made.graph.execute(pointers, workspace.data.ptr, handle=session["handle"])
-    except Exception as error:  # noqa: BLE001
-        raise CudnnError(f"{describe}: cuDNN failed at run time: {error}") from None
+    with _LOCK:  # one handle: bound to the caller's stream and used by one thread at a time
+        _bind_stream(session)
+        try:
+            made.graph.execute(pointers, workspace.data.ptr, handle=session["handle"])
+        except Exception as error:  # noqa: BLE001
+            raise CudnnError(f"{describe}: cuDNN failed at run time: {error}") from None
 
 
 def plan_times() -> list[tuple[str, str, float]]:
