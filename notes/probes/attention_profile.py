@@ -1,5 +1,6 @@
 """Where the attention fwd+bwd step spends its device time: FLAME (cuDNN inside a compiled
 step) vs torch SDPA, every kernel, timed by the PyTorch profiler."""
+
 import sys
 
 import torch

@@ -1,12 +1,17 @@
 """Why cuDNN refuses the attention backward in the bench's compiled step (prints refusals)."""
+
 import numpy as np
+
 import flame as fl
 import flame.nn.functional as F
 from flame.runtime import library_attention
 
 rng = np.random.default_rng(0)
 shape = (4, 16, 1024, 64)
-q, k, v, go = [fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(fl.bfloat16).realize() for _ in range(4)]
+q, k, v, go = [
+    fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(fl.bfloat16).realize()
+    for _ in range(4)
+]
 for t in (q, k, v):
     t.requires_grad_()
 

@@ -1,10 +1,14 @@
 """One-off probe of the cuDNN frontend on the device: versions, API spellings, and a conv and
 attention through FLAME's library code against the reference."""
-import inspect, json, os, sys, time
+
+import json
+import time
+
 import numpy as np
 
 out = {}
 import cudnn
+
 out["frontend"] = cudnn.__version__
 out["backend"] = cudnn.backend_version()
 out["has_generate_stats"] = "generate_stats" in (cudnn.pygraph.sdpa.__doc__ or "")
@@ -15,6 +19,7 @@ print(json.dumps(out, indent=1))
 import flame as fl
 import flame.nn.functional as F
 from flame.runtime import library_cudnn
+
 print(library_cudnn.status())
 rng = np.random.default_rng(0)
 for dtype in (fl.bfloat16, fl.float32):
@@ -29,7 +34,11 @@ for dtype in (fl.bfloat16, fl.float32):
             t = time.perf_counter()
             y = F.conv2d(X, W, stride=2, padding=1)
             (y.float() * fl.tensor(gy)).sum().backward()
-            res[backend] = [y.float().numpy().copy(), X.grad.float().numpy().copy(), W.grad.float().numpy().copy()]
+            res[backend] = [
+                y.float().numpy().copy(),
+                X.grad.float().numpy().copy(),
+                W.grad.float().numpy().copy(),
+            ]
             print(backend, dtype, "first call", round((time.perf_counter() - t) * 1e3, 1), "ms")
     for name, a, b in zip(("y", "dx", "dw"), res["cuda"], res["reference"]):
         print("conv", dtype, name, float(np.abs(a - b).max() / (np.abs(b).max() + 1e-9)))
@@ -45,7 +54,9 @@ for causal in (False, True):
             Q, K, V = [fl.tensor(a).to(fl.bfloat16).requires_grad_() for a in (q, k, v)]
             o = F.scaled_dot_product_attention(Q, K, V, is_causal=causal)
             (o.float() * fl.tensor(go)).sum().backward()
-            res[backend] = [o.float().numpy().copy()] + [t.grad.float().numpy().copy() for t in (Q, K, V)]
+            res[backend] = [o.float().numpy().copy()] + [
+                t.grad.float().numpy().copy() for t in (Q, K, V)
+            ]
     for name, a, b in zip(("o", "dq", "dk", "dv"), res["cuda"], res["reference"]):
         print("sdpa causal", causal, name, float(np.abs(a - b).max() / (np.abs(b).max() + 1e-9)))
 print(library_cudnn.plan_counts())

@@ -1,5 +1,6 @@
 """ResBlock forward + backward with FLAME's channels-last choice on and off, in one process
 (torch.compile as the peer both times): does channels-last pay on the ResBlock?"""
+
 import json
 import sys
 

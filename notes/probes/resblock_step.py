@@ -1,5 +1,6 @@
 """A UNet ResBlock's compiled forward + backward (bf16, 128ch 32x32 b32), run a few times: a
 script for `flame dump --profile`."""
+
 import numpy as np
 
 import flame as fl
