@@ -15,6 +15,7 @@ is expanded on those axes first (cuDNN broadcasts only batch and heads).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -98,7 +99,7 @@ def _cudnn_forward(node, q, k, v, bias, packed) -> None:
     key = ("sdpa", dtype, scale, causal) + tuple(
         (uid, tuple(array.shape), tuple(_element_strides(array))) for uid, array in arrays
     )
-    label = describe(node)
+    label = functools.partial(describe, node)  # formatted only for an error
 
     def define(graph):
         made = {
@@ -135,7 +136,7 @@ def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads) -> No
     key = ("sdpa_backward", dtype, scale, causal) + tuple(
         (uid, tuple(array.shape), tuple(_element_strides(array))) for uid, array in arrays
     )
-    label = describe(node)
+    label = functools.partial(describe, node)  # formatted only for an error
     shapes = {DQ: q.shape, DK: k.shape, DV: v.shape}
 
     def define(graph):
@@ -174,7 +175,7 @@ def _try_cudnn(node, run) -> bool:
     per configuration, so a refused one is not rebuilt on every call)."""
     if not dnn.usable():
         return False
-    key = (node.op, node.dtype, tuple(child.shape for child in node.inputs), node.attrs)
+    key = dnn.configuration(node)
     if key in _REFUSED:
         return False
     try:
@@ -209,8 +210,7 @@ def _check_flash(node, q, v) -> None:
     reason = _flash().supports(q.shape[-1], v.shape[-1], node.dtype.name)
     if reason is not None:
         refused = _REFUSED.get(
-            (node.op, node.dtype, tuple(child.shape for child in node.inputs), node.attrs),
-            "cuDNN is not in use: " + dnn.status().reason,
+            dnn.configuration(node), "cuDNN is not in use: " + dnn.status().reason
         )
         raise RuntimeError(f"{describe(node)}: no attention kernel takes it ({refused}; {reason})")
 

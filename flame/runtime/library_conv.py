@@ -16,6 +16,7 @@ kernel-taps times the input's memory and computes 16-bit types in float32.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 
@@ -28,7 +29,7 @@ from flame.runtime.library import implements
 from flame.runtime.library_scan import _narrowed, _widened
 
 X, W, Y = 1, 2, 3  # tensor uids in every convolution plan
-_REFUSED: set[str] = set()  # configurations cuDNN refused (they take the fallback)
+_REFUSED: set[tuple] = set()  # configurations cuDNN refused (they take the fallback)
 CUDNN_TYPES = ("float16", "bfloat16", "float32")
 
 
@@ -108,7 +109,7 @@ def _run_cudnn(node: Node, kind: str, first, second, out) -> None:
     layouts = [_as_2d(array, spatial) for array in (first, second, out)]
     uids = {"fprop": (X, W, Y), "dgrad": (Y, W, X), "wgrad": (X, Y, W)}[kind]
     key = (kind, dtype, tuple((tuple(d), tuple(s)) for d, s in layouts), repr(options))
-    describe_node = describe(node)
+    describe_node = functools.partial(describe, node)  # formatted only for an error
 
     def define(graph):
         made = [
@@ -171,14 +172,14 @@ def _convolution(node: Node, arrays: list, kind: str, fallback):
         second, view = _channels_first(second, last), out
     else:
         view = _channels_first(out, last)
-    if _use_cudnn(node) and describe(node) not in _REFUSED:
+    if _use_cudnn(node) and dnn.configuration(node) not in _REFUSED:
         try:
             _run_cudnn(node, kind, first, second, view)
             return out
         except dnn.CudnnError as error:
             if "refused" not in str(error):
                 raise
-            _REFUSED.add(describe(node))
+            _REFUSED.add(dnn.configuration(node))
             warnings.warn(f"{error}; the im2col fallback runs it instead", stacklevel=2)
     computed = fallback(node, first, second)
     return computed if kind == "wgrad" else _result(node, computed)

@@ -189,9 +189,15 @@ def _new_graph(session: dict, io_type: str):
     )  # fmt: skip
 
 
-def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
+def configuration(node) -> tuple:
+    """What identifies a node's library call apart from where its values live: op, dtype,
+    shapes and attributes (the key of a configuration cuDNN refused)."""
+    return (node.op, node.dtype, tuple(child.shape for child in node.inputs), node.attrs)
+
+
+def plan(key: tuple, io_type: str, define, describe) -> Plan:
     """The plan for ``key``: from memory, else deserialized from disk, else built by
-    ``define(graph)`` (which adds the tensors, with uids, and the operations). ``describe``
+    ``define(graph)`` (which adds the tensors, with uids, and the operations). ``describe()``
     names the op and its configuration in errors."""
     found = _PLANS.get(key)
     if found is not None:
@@ -223,9 +229,11 @@ def plan(key: tuple, io_type: str, define, describe: str) -> Plan:
                 graph.check_support()
                 graph.build_plans()
             except (AttributeError, NameError) as error:  # FLAME's use of the frontend: a bug
-                raise CudnnError(f"{describe}: building the cuDNN graph failed: {error}") from error
+                message = f"{describe()}: building the cuDNN graph failed: {error}"
+                raise CudnnError(message) from error
             except Exception as error:  # noqa: BLE001 (cuDNN raises several types)
-                raise CudnnError(f"{describe}: cuDNN refused the configuration: {error}") from None
+                message = f"{describe()}: cuDNN refused the configuration: {error}"
+                raise CudnnError(message) from None
             origin = "built"
             try:
                 _disk().put(disk_key, bytes(graph.serialize()))
@@ -243,7 +251,7 @@ def _deserialize(graph, handle, blob: bytes) -> None:
     graph.deserialize(handle, list(blob))
 
 
-def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
+def execute(made: Plan, pointers: dict[int, int], describe) -> None:
     """Run a plan on FLAME's stream: ``pointers`` maps tensor uids to device addresses."""
     import cupy
 
@@ -254,7 +262,7 @@ def execute(made: Plan, pointers: dict[int, int], describe: str) -> None:
         try:
             made.graph.execute(pointers, workspace.data.ptr, handle=session["handle"])
         except Exception as error:  # noqa: BLE001
-            raise CudnnError(f"{describe}: cuDNN failed at run time: {error}") from None
+            raise CudnnError(f"{describe()}: cuDNN failed at run time: {error}") from None
 
 
 def plan_times() -> list[tuple[str, str, float]]:
@@ -278,10 +286,3 @@ def tensor(graph, uid: int, name: str, array, dtype_name: str, dims=None, stride
     made = graph.tensor(name=name, dim=dims, stride=list(strides), data_type=data_type(dtype_name))
     made.set_uid(uid)
     return made
-
-
-def layout_key(array, dims=None, strides=None) -> tuple:
-    dims = tuple(array.shape) if dims is None else tuple(dims)
-    if strides is None:
-        strides = tuple(stride // array.itemsize for stride in array.strides)
-    return dims, tuple(strides)
