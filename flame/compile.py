@@ -49,6 +49,7 @@ from flame.replay import (
     wrap,
 )
 from flame.runtime import events
+from flame.runtime.compiler import kernel_loads
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry, generic_entry, miss_reason, shown
 from flame.tensor import Tensor, realize
@@ -222,7 +223,8 @@ class CompiledFunction:
             reason, kind = "a .grad the trace read or wrote changed (None vs set)", "miss"
         start = time.perf_counter()
         _give_memory_to_closed_over(self.fn)
-        program = self._build(args, names)
+        with kernel_loads() as loads:
+            program = self._build(args, names)
         with self._lock:
             self._programs[exact] = program
             if program.entry is not None and names is None:
@@ -237,6 +239,7 @@ class CompiledFunction:
             else:
                 self._info.misses += 1
             self._info.reasons.append(f"{kind}: {reason}")
+            self._info.kernels.extend({"trace": self._info.traces, **load} for load in loads)
         if events.active():
             events.emit(
                 "trace", function=self.__qualname__, reason=f"{kind}: {reason}",

@@ -11,6 +11,7 @@ from collections import namedtuple
 from flame.amp.autocast_mode import full_precision
 from flame.functional import where
 from flame.ir import dtypes
+from flame.ir.infer import SizeValue
 from flame.ir.node import user_site
 from flame.ir.shapes import prod
 from flame.tensor import Tensor, _with_site, apply_op
@@ -164,8 +165,10 @@ def mean(x, dim=None, keepdim=False, dtype=None, *, axis=None):
         )
     axes = _axes(x, dim, "mean")
     count = _count(x, axes)
-    # scale before dropping axes, so the scaling stays in the reduction's kernel
-    result = plain_sum(x, axes, keepdim=True) * (1.0 / count if count else math.nan)
+    # scale before dropping axes, so the scaling stays in the reduction's kernel; 1/n is a
+    # kernel argument (SizeValue): a new size runs the same kernel
+    scale = SizeValue(1.0 / count, f"1/n{list(axes)}") if count else math.nan
+    result = plain_sum(x, axes, keepdim=True) * scale
     return result if keepdim else _drop(result, axes)
 
 
@@ -185,7 +188,8 @@ def var(x, dim=None, correction=1, keepdim=False, *, axis=None, unbiased=None):
     if not divisor and count:
         center = _exact_center(x, axes)
     deviation = x - center
-    scale = 1.0 / divisor if divisor else math.inf
+    role = f"1/(n-{correction}){list(axes)}"
+    scale = SizeValue(1.0 / divisor, role) if divisor else math.inf
     result = plain_sum(deviation * deviation, axes, keepdim=True) * scale
     return result if keepdim else _drop(result, axes)
 

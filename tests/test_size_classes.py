@@ -36,7 +36,9 @@ from flame.runtime.executor import _layout_of
 ROW_LENGTHS = (1, 3, 7, 31, 64, 97, 128, 257, 1000, 1024, 4096, 4097, 8191, 16384, 50000, 131072)
 OUTER_COUNTS = (1, 2, 5, 64, 1000)
 MAX_ELEMENTS = 1 << 21  # graphs are only built, but each input is an (untouched) numpy array
-MAX_CLASSES = 6
+# a row kernel's classes: its register cache (2, 4, 8 or 16 chunks a thread, or streamed)
+# times its lanes (4-wide vectors or 1): at most 10 over a sweep of every row length
+MAX_CLASSES = 10
 
 
 def rows_by_length(lengths=ROW_LENGTHS, outers=OUTER_COUNTS) -> tuple[tuple[int, int], ...]:

@@ -208,6 +208,21 @@ def const_literal(node: Node) -> str:
     return c_literal(node.attr("value"), node.dtype)
 
 
+def const_text(node: Node, size_args: dict) -> str:
+    """A constant's C text: its literal, or, for a constant derived from sizes (``sized``: 1/n
+    of a mean), the kernel argument that carries it, added to ``size_args`` (node id -> Arg)
+    once: a new size changes the argument, not the code."""
+    if not node.attr("sized"):
+        return const_literal(node)
+    arg = size_args.get(id(node))
+    if arg is None:
+        from flame.codegen.spec import Arg
+
+        name = f"sized{len(size_args)}"
+        arg = size_args[id(node)] = Arg("value", node.dtype.c_compute, name, node.attr("value"))
+    return arg.name
+
+
 def header(group: Group) -> tuple[str, ...]:
     """The group as IR text, each line with the user line that built it."""
     names = {id(node): f"%{index}" for index, node in enumerate(group.nodes)}

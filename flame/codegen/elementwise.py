@@ -20,7 +20,7 @@ from flame.codegen.common import (
     Read,
     buffer_params,
     collect_reads,
-    const_literal,
+    const_text,
     generated_expression,
     header,
     is_scalar_const,
@@ -50,6 +50,7 @@ class Lowered(Record, frozen=True):
     numel: int
     grid_items: int = 0  # work items the launch must cover (defaults to numel / vec)
     zeroed: tuple[int, ...] = ()  # outputs set to zero before the launch (atomic sums)
+    threads: int = 0  # threads a block (defaults to spec.block, the launch bound)
 
 
 def collapse(space, stride_sets):
@@ -92,7 +93,7 @@ def lower_elementwise(group: Group, layout_of) -> Lowered:
     vec = _choose_vec(sizes, reads, group.outputs)
     writer = _Writer(group, sizes, reads, vec, index_type_for(prod(space), reads))
     for top, constant in aliases.items():  # a broadcast constant is its literal
-        writer.values[top] = writer.tail_values[top] = const_literal(constant)
+        writer.values[top] = writer.tail_values[top] = const_text(constant, writer.size_args)
     return writer.build(prod(space))
 
 
@@ -124,6 +125,7 @@ class _Writer:
         self.tail_values: dict[int, str] = {}
         self.needs_tail = vec > 1 and len(sizes) <= 1
         self.axis_index: list[str] = []
+        self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
 
     def build(self, numel) -> Lowered:
         self.params, buffers = buffer_params(self.group, self.reads)
@@ -135,6 +137,7 @@ class _Writer:
             self._compute(node)
         for position, output in enumerate(self.group.outputs):
             self._write(position, output)
+        self.params.extend(self.size_args.values())
         reads = tuple(read.base for read in buffers)
         return Lowered(self._spec(), reads, tuple(self.group.outputs), numel)
 
@@ -193,7 +196,9 @@ class _Writer:
                 f"{generated_expression(read.base, tail_index, self.helpers)};"
             )
         elif _is_scalar(read):
-            at = f"{read.param}[{read.offset}]"
+            at = f"{read.param}[{read.param}_offset]" if read.offset else f"{read.param}[0]"
+            if read.offset:  # an element picked by an index (alphas[t]): an argument
+                self.params.append(Arg("size", self.index, f"{read.param}_offset", read.offset))
             self.setup.append(f"const {ctype} {name} = {load(read.base.dtype, at)};")
         elif flat and self.vec > 1:
             vector = f"FlameVec<{read.base.dtype.c_storage}, {self.vec}>"
@@ -222,7 +227,7 @@ class _Writer:
         if id(node) in self.values or node.op in MOVEMENT_OPS or node.op in INDEX_LEAVES:
             return  # views and generated leaves are reads, bound where they are used
         if is_scalar_const(node) or node.op == "const":
-            self.values[id(node)] = self.tail_values[id(node)] = const_literal(node)
+            self.values[id(node)] = self.tail_values[id(node)] = const_text(node, self.size_args)
             return
         name = f"v{len(self.values)}"
         ctype = node.dtype.c_compute
@@ -236,7 +241,7 @@ class _Writer:
 
     def _value(self, node, values) -> str:
         if id(node) not in values and node.op == "const":
-            values[id(node)] = const_literal(node)
+            values[id(node)] = const_text(node, self.size_args)
         return values[id(node)]
 
     def _write(self, position, output):
@@ -280,6 +285,8 @@ class _Writer:
             epilogue=tuple(self.epilogue),
             tail=tuple(self.tail) if self.needs_tail else (),
             count=f"n / {self.vec}" if self.vec > 1 else "n",
+            size_class=f"{len(self.sizes)} axes, {self.vec} lanes, "
+            f"{'int64' if self.index != 'int' else 'int32'} index",
         )
 
 

@@ -27,7 +27,7 @@ from flame.codegen.common import (
     Read,
     buffer_params,
     collect_reads,
-    const_literal,
+    const_text,
     header,
     kernel_stem,
     op_expression,
@@ -36,13 +36,13 @@ from flame.codegen.common import (
 from flame.codegen.elementwise import Lowered, index_type_for
 from flame.codegen.reduce_loads import RowLoads
 from flame.codegen.reduce_space import (
-    MAX_CACHE_ITEMS,
     THREAD_BLOCK,
     THREAD_LANES,
     THREAD_SPLITS,
     VECTOR_LANES,
     Space,
     block_size,
+    cache_class,
 )  # fmt: skip
 from flame.codegen.reduce_strips import (
     accumulator,
@@ -142,6 +142,7 @@ class _ReduceWriter(RowLoads):
         self.skipped: set[int] = set()  # outputs the row and scalar stores leave alone
         self.column_shape = None
         self.out_index: dict[int, int] = {}
+        self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
         self.level = self._levels()
 
     def _levels(self) -> dict[int, int]:
@@ -179,8 +180,10 @@ class _ReduceWriter(RowLoads):
         for number in range(1, depth + 1):
             self.passes.append(self._pass(number))
         self.final = self._final_pass(out_views)
+        self.params.extend(self.size_args.values())
         return Lowered(self._spec(depth), tuple(r.base for r in buffers), tuple(self.group.outputs),
-                       prod(self.shape), self._blocks(), tuple(sorted(self.atomic)))  # fmt: skip
+                       prod(self.shape), self._blocks(), tuple(sorted(self.atomic)),
+                       self.threads)  # fmt: skip
 
     def _choose_layout(self) -> None:
         """Lanes per chunk, vector loads, block size and the row cache (see module doc)."""
@@ -192,14 +195,15 @@ class _ReduceWriter(RowLoads):
             raise ValueError("strip reductions need a row kernel (reduced innermost axis)")
         if not space.block_mode:
             self.lanes = THREAD_LANES if len(space.inner_sizes) == 1 else 1
-            self.block = THREAD_BLOCK
+            self.block = self.threads = THREAD_BLOCK
             return
         self.lanes = 1
         single = len(space.inner_sizes) == 1
         if single and space.num_inner % VECTOR_LANES == 0 and self._vectorizable():
             self.lanes = VECTOR_LANES
-        self.block = block_size(space.num_inner, self.lanes)
-        items = -(-space.num_inner // (self.block * self.lanes))
+        # the launch's threads follow the row length; the code only follows its size class
+        self.threads = block_size(space.num_inner, self.lanes)
+        items = -(-space.num_inner // (self.threads * self.lanes))
         # rows of data are cached; values the same for every row (weights, biases) are
         # re-read from L1 where needed instead of holding registers
         row_reads = [
@@ -210,12 +214,14 @@ class _ReduceWriter(RowLoads):
         self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
-        fits = items * self.lanes * held <= 96 and self.block <= 512
-        limit = MAX_CACHE_ITEMS * (2 if self.block == 512 else 1)
-        if single and items <= limit and fits:
-            self.items = items
+        cached = cache_class(items)
+        fits = cached * self.lanes * held <= 96 and self.threads <= 512
+        if single and cached and fits:
+            self.items = cached
         # strip sums: every thread owns the same columns in every row of its strip
-        self.loop_items = items if self.columns else self.items
+        self.loop_items = cache_class(items, limit=None) if self.columns else self.items
+        # __launch_bounds__: the most threads any row of the class launches with
+        self.block = 512 if self.items or self.columns else 1024
 
     def _vectorizable(self) -> bool:
         vectorized = [  # per-row values (a class index) are read once a row, not in vectors
@@ -279,7 +285,7 @@ class _ReduceWriter(RowLoads):
     def _value(self, node, values) -> str:
         node = self.aliases.get(id(node), node)
         if node.op == "const":
-            return const_literal(node)
+            return const_text(node, self.size_args)
         if id(node) in values:
             return values[id(node)]
         return self.scalar_values[id(node)]
@@ -405,8 +411,22 @@ class _ReduceWriter(RowLoads):
             name=f"flame_reduce_{kernel_stem(self.group)}_{digest}", template="reduce.cu.j2",
             index_type=self.index, vec=self.lanes, block=self.block, params=tuple(self.params),
             header=header(self.group), helpers=tuple(self.helpers.sources), setup=(),
-            prologue=(), body=(), epilogue=(), extras=extras,
+            prologue=(), body=(), epilogue=(), extras=extras, size_class=self._size_class(),
         )  # fmt: skip
+
+    def _size_class(self) -> str:
+        """The sizes this code serves, named: vector lanes, how a row is held, index width."""
+        if not self.space.block_mode:
+            row = "columns"
+        elif self.columns:
+            row = f"strips of <= {self.loop_items} chunks a thread"
+        elif self.items:
+            row = f"row cached, <= {self.items} chunks a thread"
+        else:
+            row = "row streamed"
+        axes = f"{len(self.space.outer_sizes)}+{len(self.space.inner_sizes)} axes"  # kept+reduced
+        index = "int64" if self.index != "int" else "int32"
+        return f"{row}, {axes}, {self.lanes} lanes, {index} index"
 
 
 def _split_combine(name: str, combine: str) -> str:

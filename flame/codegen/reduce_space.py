@@ -24,6 +24,17 @@ def block_size(inner: int, lanes: int) -> int:
     return 512 if inner <= 512 * lanes * 2 * MAX_CACHE_ITEMS else 1024
 
 
+def cache_class(items: int, limit: int | None = 2 * MAX_CACHE_ITEMS) -> int:
+    """The register cache a row of ``items`` chunks a thread gets: the next of 2, 4, 8, 16
+    (0: beyond ``limit``, the row streams). Code depends on the class, never on the row
+    length itself: rows of one class share one kernel, launched with the threads the length
+    asks for (``block_size``)."""
+    size = 2
+    while size < items:
+        size *= 2
+    return 0 if limit is not None and size > limit else size
+
+
 class Space:
     """The input space split into outer (kept) and inner (reduced) axes, each collapsed."""
 

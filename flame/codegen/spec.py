@@ -42,6 +42,9 @@ class KernelSpec(Record, frozen=True):
     tail: tuple[str, ...] = ()  # scalar loop body for the last n % vec elements
     count: str = "n"  # C expression: loop trip count in vectors
     extras: dict = field(default_factory=dict)
+    # the sizes this code serves, named (e.g. "vec4 rows<=4096 i32"): code changes with sizes
+    # only between classes, never within one; the dump and compile explanations show it
+    size_class: str = ""
 
 
 def c_literal(value, dtype: DType) -> str:

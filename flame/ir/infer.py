@@ -69,6 +69,23 @@ def canonical_float(value: float) -> float:
     return NAN if value != value else value
 
 
+class SizeValue(float):
+    """A float computed from sizes (``1/N`` of a mean, ``1/(N-1)`` of a variance): used as
+    an operand, it becomes a constant the kernels take as an argument, so a new size runs the
+    same code (issue 21). Arithmetic on it gives plain floats: wrap the final value.
+
+    ``role`` names what it is (``"1/n[2, 3]"``): two constants of different roles stay two
+    kernel arguments when their values happen to be equal (a square image's 1/H and 1/W),
+    so the code never depends on whether sizes coincide."""
+
+    __slots__ = ("role",)
+
+    def __new__(cls, value, role: str = "size"):
+        made = float.__new__(cls, value)
+        made.role = role
+        return made
+
+
 def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = False):
     """A scalar constant. A Python number used as an operand keeps its value and is used in
     compute precision (float32 for float16/bfloat16 ops, as PyTorch does); a tensor filled
@@ -76,6 +93,7 @@ def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = Fal
     Integers must fit the dtype."""
     from flame.ir.node import Node
 
+    sized = value.role if isinstance(value, SizeValue) and dtype.is_float else None
     if dtype.is_float:
         value = canonical_float(float(dtype.numpy.type(value)) if round_to_dtype else float(value))
     elif dtype.is_bool:
@@ -89,4 +107,5 @@ def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = Fal
                 value -= 1 << bits
         elif not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
             raise ValueError(f"the scalar {value} does not fit {dtype.name}")
-    return Node("const", (), (("value", value),), dtype, (), site)
+    attrs = (("value", value), ("sized", sized)) if sized else (("value", value),)
+    return Node("const", (), attrs, dtype, (), site)

@@ -32,7 +32,8 @@ def node_names(graph: Graph) -> dict[int, str]:
         if is_input(node):
             continue
         if node.op == "const" and node.shape == ():  # printed inline, as its value
-            names[id(node)] = format_value(node.attr("value"))
+            value = format_value(node.attr("value"))  # ``~``: from sizes, a kernel argument
+            names[id(node)] = f"~{value}" if node.attr("sized") else value
             continue
         names[id(node)] = f"%{count}"
         count += 1

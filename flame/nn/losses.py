@@ -12,6 +12,7 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.backend import backend as use_backend
 from flame.functional import softplus, where
+from flame.ir.infer import SizeValue
 from flame.ir.shapes import ShapeError
 from flame.linalg import at_user_line
 from flame.shaping import movedim, shown
@@ -137,7 +138,7 @@ def cross_entropy_general(logits, target, weight, ignore_index, reduction, label
     valid = reshape(target_rows, (-1,)) != ignore_index
     loss = nll
     if label_smoothing:
-        smooth = where(valid, -R.sum(weighted, 1) * (1.0 / classes), 0.0)
+        smooth = where(valid, -R.sum(weighted, 1) * SizeValue(1.0 / classes, "1/classes"), 0.0)
         loss = nll * (1.0 - label_smoothing) + smooth * label_smoothing
     if class_weight is None:
         denominator = R.sum(valid.to(loss.dtype))

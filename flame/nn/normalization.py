@@ -15,6 +15,7 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.autograd import no_grad
 from flame.inplace import memory_of
+from flame.ir.infer import SizeValue
 from flame.ir.shapes import ShapeError, prod
 from flame.shaping import checked_tensor, shown, user_errors
 from flame.tensor import Tensor, realize
@@ -110,7 +111,8 @@ def batch_norm(
     variance = R.mean(centered * centered, axes, keepdim=True)
     _statistics_now(input, mean, variance, running_mean, running_var)
     _update(running_mean, reshape(mean, (channels,)), momentum)
-    _update(running_var, reshape(variance, (channels,)) * (count / (count - 1)), momentum)
+    unbiased = SizeValue(count / (count - 1), "n/(n-1)")
+    _update(running_var, reshape(variance, (channels,)) * unbiased, momentum)
     return _affine(centered * (variance + eps).rsqrt(), weight, bias, shape)
 
 

@@ -7,6 +7,7 @@ by any process whose compile would produce the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import threading
@@ -71,6 +72,22 @@ class CacheStats(Record):
     events: list = field(default_factory=list)  # (kernel name, "memory"|"disk"|"compiled", seconds)
 
 
+_loads: contextvars.ContextVar = contextvars.ContextVar("flame_kernel_loads", default=None)
+
+
+@contextlib.contextmanager
+def kernel_loads():
+    """Collects, into the list it yields, one dict per kernel the code inside loads from the
+    disk cache or compiles with NVRTC: ``kernel``, ``origin`` ("disk" | "compiled"),
+    ``reason`` (``flame.codegen.explain``: what changed) and ``size_class``."""
+    found: list = []
+    token = _loads.set(found)
+    try:
+        yield found
+    finally:
+        _loads.reset(token)
+
+
 class KernelCache:
     """cubins by content key: memory first, then disk, then NVRTC. Thread-safe."""
 
@@ -80,6 +97,7 @@ class KernelCache:
         self.stats = CacheStats()
         self._cubins: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self._last_spec: dict[str, object] = {}  # name stem -> last spec loaded (explanations)
 
     def key(self, code: str) -> str:
         """``code``: the rendered source, or a key that stands for it (``spec_key``)."""
@@ -87,9 +105,12 @@ class KernelCache:
         identity = code_key(code) if "\n" in code else code
         return DiskCache.key(identity, arch, nvrtc_version(), " ".join(OPTIONS), __version__)
 
-    def cubin(self, source, name: str, code_identity: str | None = None) -> tuple[str, bytes]:
+    def cubin(
+        self, source, name: str, code_identity: str | None = None, spec=None
+    ) -> tuple[str, bytes]:
         """The cubin for ``source`` (a string, or a function that renders it only when it
-        must be compiled); ``code_identity`` keys it without rendering."""
+        must be compiled); ``code_identity`` keys it without rendering; ``spec`` (the
+        KernelSpec) explains a load that is not a memory hit (``kernel_loads``)."""
         key = self.key(code_identity if code_identity is not None else self._text(source))
         with self._lock:
             cached = self._cubins.get(key)
@@ -114,6 +135,7 @@ class KernelCache:
             self.disk.put(key, data)
             origin = "compiled"
         elapsed = time.perf_counter() - start
+        reason = self._explain(spec, name, origin) if spec is not None else ""
         with self._lock:
             self._cubins[key] = data
             if origin == "disk":
@@ -130,8 +152,21 @@ class KernelCache:
                 seconds=elapsed,
                 key=key,
                 source=lambda: self._text(source),
+                reason=reason,
             )
         return key, data
+
+    def _explain(self, spec, name: str, origin: str) -> str:
+        from flame.codegen.explain import compile_reason, stem
+
+        with self._lock:
+            reason = compile_reason(spec, self._last_spec.get(stem(name)))
+            self._last_spec[stem(name)] = spec
+        found = _loads.get()
+        if found is not None:
+            found.append({"kernel": name, "origin": origin, "reason": reason,
+                          "size_class": spec.size_class})  # fmt: skip
+        return reason
 
     @staticmethod
     def _text(source) -> str:

@@ -12,7 +12,8 @@ Events (``kind``: keys of ``data``):
 - ``"run"``: ``plan``, ``times`` (per launch: GPU milliseconds, or None) -- only timed when a
   recorder has ``profile = True``.
 - ``"kernel"``: ``name``, ``origin`` ("memory" | "disk" | "compiled"), ``seconds``, ``key``,
-  ``source`` (a function that renders the CUDA source).
+  ``source`` (a function that renders the CUDA source), ``reason`` (for a disk load or a
+  compile: what changed since the last kernel of these operations, ``flame.codegen.explain``).
 - ``"reference"``: ``outputs`` (the nodes the reference interpreter realized).
 - ``"trace"``: ``function`` (qualified name), ``reason`` (why the signature missed), ``seconds``.
 """

@@ -330,7 +330,7 @@ class Executor:
             if group.kind != "library":
                 lowered_groups.append(lower_group(group, _layout_of))
         sources = [
-            (functools.partial(render, low.spec), low.spec.name, spec_key(low.spec))
+            (functools.partial(render, low.spec), low.spec.name, spec_key(low.spec), low.spec)
             for low in lowered_groups
         ]
         functions = iter(self._load(sources))
@@ -355,7 +355,7 @@ class Executor:
 
         results = self.kernels.cubins(sources)
         functions = []
-        for (key, cubin), (_, name, _) in zip(results, sources):
+        for (key, cubin), (_, name, *_) in zip(results, sources):
             with self._lock:
                 function = self._functions.get(key)
                 if function is None:

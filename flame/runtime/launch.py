@@ -51,7 +51,7 @@ class Launch(Record, frozen=True):
         setter = object.__setattr__
         setter(self, "_allocations", allocations)
         codes = param_codes(self.args)
-        values = tuple(int(value) for _, value in self.args)  # slots and scalars
+        values = tuple(_python_number(value) for _, value in self.args)  # slots and scalars
         setter(self, "_params", (codes, values))
         setter(self, "_packer", struct.Struct(param_format(codes)))
         setter(self, "_fill", _filler(codes, values))
@@ -100,6 +100,9 @@ class Launch(Record, frozen=True):
                 arguments.append(("out", slot_of[id(lowered.outputs[arg.operand])]))
             elif arg.kind == "in":
                 arguments.append(("in", slot_of[id(lowered.reads[arg.operand])]))
+            elif arg.kind == "value":  # a constant derived from sizes (1/n of a mean)
+                number = np.float64 if arg.ctype == "double" else np.float32
+                arguments.append(("scalar", number(arg.value)))
             else:
                 scalar = np.int32 if spec.index_type == "int" else np.int64
                 arguments.append(("scalar", scalar(arg.value)))
@@ -117,7 +120,8 @@ class Launch(Record, frozen=True):
             (slot_of[id(node)], node.numel * node.dtype.itemsize)
             for node in (lowered.outputs[position] for position in lowered.zeroed)
         )  # fmt: skip
-        return cls(spec, function, blocks, spec.block, tuple(arguments), writes, shapes, zeroed)
+        threads = lowered.threads or spec.block  # at most spec.block (__launch_bounds__)
+        return cls(spec, function, blocks, threads, tuple(arguments), writes, shapes, zeroed)
 
     def _new_block(self) -> tuple:
         """(the parameter buffer, the address of the ``extra`` array pointing at it, what
@@ -179,11 +183,19 @@ class Launch(Record, frozen=True):
 
 def param_codes(args) -> str:
     """One ``struct`` code per kernel parameter: ``Q`` a buffer's address, ``i`` / ``q`` an
-    int32 / int64 scalar."""
+    int32 / int64 scalar, ``f`` / ``d`` a float / double one."""
     return "".join(
-        ("i" if value.dtype.itemsize == 4 else "q") if kind == "scalar" else "Q"
-        for kind, value in args
+        _SCALAR_CODES[value.dtype.char] if kind == "scalar" else "Q" for kind, value in args
     )
+
+
+_SCALAR_CODES = {"i": "i", "l": "q", "q": "q", "f": "f", "d": "d"}  # numpy's char -> struct's
+
+
+def _python_number(value):
+    """A slot (int) or scalar as the Python number ``struct`` packs: ``repr`` of a float
+    round-trips, so the generated packers spell it exactly."""
+    return float(value) if isinstance(value, (float, np.floating)) else int(value)
 
 
 def param_format(codes: str) -> str:

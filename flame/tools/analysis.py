@@ -206,8 +206,9 @@ def launch_shape(lowered) -> tuple[int, int, str]:
     from flame.runtime.launch import BLOCKS_PER_SM
 
     spec = lowered.spec
+    threads = lowered.threads or spec.block
     if lowered.grid_items:
-        return max(1, min(lowered.grid_items, 2**31 - 1)), spec.block, "planned, not run"
+        return max(1, min(lowered.grid_items, 2**31 - 1)), threads, "planned, not run"
     trip_count = lowered.numel // spec.vec if spec.vec > 1 else lowered.numel
     if gpu_available():
         from flame.runtime.device import device_info

@@ -229,7 +229,7 @@ class CheckRecorder:
                 params.append({"kind": "out", "index": output, "shape": list(shape),
                                "dtype": np.dtype(dtype).name})  # fmt: skip
             else:
-                params.append({"kind": "scalar", "dtype": value.dtype.name, "value": int(value)})
+                params.append({"kind": "scalar", "dtype": value.dtype.name, "value": value.item()})
         tolerance = [
             {"name": c.name, "rtol": c.rtol, "atol": c.atol, "exact": not node.dtype.is_float}
             for c, node in zip(self.failure.comparisons, group.outputs)

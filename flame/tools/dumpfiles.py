@@ -83,6 +83,9 @@ def fusion_text(record: GraphRecord) -> str:
     lines = [f"{record.title}: {len(record.kernels)} kernels", *record.remat, ""]
     for kernel in record.kernels:
         lines.append(f"k{kernel.index} {kernel.kind} over {kernel.label}: {kernel.name}")
+        size_class = getattr(kernel.spec, "size_class", "")
+        if size_class:  # the sizes this code serves; another class is other code
+            lines.append(f"  size class: {size_class}")
         lines += [f"  why: {reason}" for reason in kernel.reasons]
         if kernel.sites:
             lines.append(f"  user lines: {', '.join(kernel.sites)}")
@@ -134,6 +137,7 @@ def kernel_notes(kernel: KernelRecord, record: GraphRecord, bandwidth: float) ->
         f"launch: grid {kernel.grid}, block {kernel.block} ({kernel.launch_note})"
         if kernel.grid is not None else f"launch: {kernel.launch_note}",
         f"resources: {resources_text(kernel)}" if kernel.kind != "library" else "resources: -",
+        *[f"size class: {name}" for name in [getattr(kernel.spec, "size_class", "")] if name],
         f"bytes moved: {kernel.bytes_moved:,} (floor {floor * 1e3:.3f} us at "
         f"{bandwidth / 1e9:.0f} GB/s)",
         f"cache: {kernel.cache} ({kernel.cache_reason})",
@@ -208,6 +212,7 @@ def kernel_manifest(kernel: KernelRecord, bandwidth: float) -> dict:
         "writes": kernel.writes, "reasons": kernel.reasons, "sites": kernel.sites,
         "file": kernel_file_name(kernel) if kernel.source is not None else None,
         "grid": kernel.grid, "block": kernel.block, "launch_note": kernel.launch_note,
+        "size_class": getattr(kernel.spec, "size_class", ""),
         "resources": kernel.resources, "resources_note": kernel.resources_note,
         "bytes": kernel.bytes_moved, "floor_ms": kernel_floor_ms(kernel, bandwidth),
         "cache": kernel.cache, "cache_reason": kernel.cache_reason,

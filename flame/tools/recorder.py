@@ -274,6 +274,8 @@ class DumpRecorder:
             )
         else:
             kernel.cache_reason = "miss: " + spec_difference(kernel.spec, earlier)
+        if event.get("reason") and event["origin"] != "memory":  # the cache's own comparison
+            kernel.cache_reason += f"; against this process's kernels: {event['reason']}"
 
     def _fill_loaded_attributes(self, kernel: KernelRecord, function) -> None:
         """On a GPU the loaded function's own attributes are the truth; ptxas's log adds

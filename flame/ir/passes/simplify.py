@@ -14,7 +14,7 @@ import numpy as np
 
 from flame.ir.evaluate import compute_dtype, evaluate_elementwise
 from flame.ir.graph import Graph, is_input
-from flame.ir.infer import make_const, make_node
+from flame.ir.infer import SizeValue, make_const, make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
@@ -32,6 +32,12 @@ def constant_value(node: Node):
     return None
 
 
+def _sized(node: Node) -> str:
+    while node.op == "expand":
+        node = node.inputs[0]
+    return node.attr("sized", "") if node.op == "const" else ""
+
+
 def _fold(node: Node) -> Node | None:
     values = [constant_value(child) for child in node.inputs]
     if any(value is None for value in values):
@@ -41,7 +47,11 @@ def _fold(node: Node) -> Node | None:
         for value, child in zip(values, node.inputs)
     ]
     result = evaluate_elementwise(node, arrays)  # a computed value: rounded to node.dtype
-    const = make_const(result.item(), node.dtype, node.site, round_to_dtype=True)
+    value = result.item()
+    roles = [_sized(child) for child in node.inputs if _sized(child)]
+    if node.dtype.is_float and roles:  # still derived from sizes: still a kernel argument
+        value = SizeValue(value, f"{node.op}({','.join(roles)})")
+    const = make_const(value, node.dtype, node.site, round_to_dtype=True)
     if node.shape == ():
         return const
     return make_node("expand", (const,), {"shape": node.shape}, node.site)
