@@ -198,9 +198,15 @@ class _ReduceWriter(RowLoads):
             self.block = self.threads = THREAD_BLOCK
             return
         self.lanes = 1
-        single = len(space.inner_sizes) == 1
-        if single and space.num_inner % VECTOR_LANES == 0 and self._vectorizable():
-            self.lanes = VECTOR_LANES
+        # several reduced axes (a group norm's channels x positions): reads that walk the
+        # row in order (``flat``) load, vectorize and cache as one axis; the others (a
+        # per-channel weight) decompose each chunk's index
+        walkable = self._walkable()
+        # a vector's lanes share every reduced axis but the last
+        vector_fits = walkable and space.inner_sizes[-1] % VECTOR_LANES == 0
+        if walkable and vector_fits and space.num_inner % VECTOR_LANES == 0:
+            if self._vectorizable():
+                self.lanes = VECTOR_LANES
         # the launch's threads follow the row length; the code only follows its size class
         self.threads = block_size(space.num_inner, self.lanes)
         items = -(-space.num_inner // (self.threads * self.lanes))
@@ -209,19 +215,37 @@ class _ReduceWriter(RowLoads):
         row_reads = [
             r for position, r in enumerate(self.reads)
             if id(r.top) not in self.scalar_values and not r.generated
-            and any(self.space.outer_strides[position])
+            and any(self.space.outer_strides[position]) and self._flat(position)
         ]  # fmt: skip
         self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
         cached = cache_class(items)
         fits = cached * self.lanes * held <= 96 and self.threads <= 512
-        if single and cached and fits:
+        if walkable and cached and fits:
             self.items = cached
         # strip sums: every thread owns the same columns in every row of its strip
         self.loop_items = cache_class(items, limit=None) if self.columns else self.items
         # __launch_bounds__: the most threads any row of the class launches with
         self.block = 512 if self.items or self.columns else 1024
+
+    def _flat(self, position: int) -> bool:
+        """Operand ``position`` walks the reduced axes in order, as one contiguous axis."""
+        strides = self.space.inner_strides[position]
+        return len(strides) == 1 or strides == contiguous_strides(self.space.inner_sizes)
+
+    def _walkable(self) -> bool:
+        """The row is one axis for every operand, or its operands are flat, per-row scalars,
+        or broadcast along the innermost reduced axis or contiguous in it (decomposed once a
+        chunk)."""
+        if len(self.space.inner_sizes) <= 1:
+            return bool(self.space.inner_sizes)  # no reduced axis left: one value a row
+        for position, read in enumerate(self.reads):
+            if id(read.top) in self.scalar_values or self._flat(position):
+                continue
+            if read.generated or self.space.inner_strides[position][-1] not in (0, 1):
+                return False
+        return not self.columns
 
     def _vectorizable(self) -> bool:
         vectorized = [  # per-row values (a class index) are read once a row, not in vectors
@@ -236,19 +260,20 @@ class _ReduceWriter(RowLoads):
         for position, read in enumerate(self.reads):
             if id(read.top) in self.scalar_values or read.generated:
                 continue
-            inner = self.space.inner_strides[position][0]
+            inner = self.space.inner_strides[position][-1]
             outer = self.space.outer_strides[position]
             if inner not in (0, 1) or not read.aligned:
                 return False
-            if inner == 1:
+            if inner == 1 and self._flat(position):
                 if read.view.offset % VECTOR_LANES or any(s % VECTOR_LANES for s in outer):
                     return False
                 self.vector_reads[id(read)] = True
         for position, output in enumerate(self.group.outputs):
             if output.shape == self.shape:
-                inner = self.space.inner_strides[self.out_index[position]][0]
+                inner = self.space.inner_strides[self.out_index[position]][-1]
                 outer = self.space.outer_strides[self.out_index[position]]
-                if inner != 1 or any(s % VECTOR_LANES for s in outer):
+                flat = self._flat(self.out_index[position])
+                if inner != 1 or not flat or any(s % VECTOR_LANES for s in outer):
                     self.vector_reads.clear()
                     self.vector_outputs = False
                     return False
@@ -363,8 +388,11 @@ class _ReduceWriter(RowLoads):
             target = f"out{position} + out{position}_outer + chunk"
             after.append(f"*reinterpret_cast<{vector}*>({target}) = store_{position};")
             return
-        indices = self._decompose(lane, "inner", self.space.inner_sizes, f"w{position}_")
-        offset = self._linear(f"out{position}_r", strides, indices)
+        if self._flat(self.out_index[position]):
+            offset = "inner"  # in row order: the row's linear index
+        else:
+            indices = self._decompose(lane, "inner", self.space.inner_sizes, f"w{position}_")
+            offset = self._linear(f"out{position}_r", strides, indices)
         lane.append(f"out{position}[out{position}_outer + {offset}] = {value};")
 
     def _spec(self, depth) -> KernelSpec:

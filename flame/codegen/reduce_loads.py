@@ -97,12 +97,12 @@ class RowLoads:
             if cached and id(read) in self.cached_reads:
                 lane_lines.append(f"const {ctype} {name} = cache_{read.param}[item][k];")
                 continue
-            if indices is None:
-                indices = self._decompose(lane_lines, "inner", self.space.inner_sizes, "r")
-            strides = self.space.inner_strides[position]
-            offset = self._linear(f"{read.param}_r", strides, indices)
-            at = f"{read.param}_outer + {offset}"
             if read.generated:
+                if indices is None:
+                    indices = self._decompose(lane_lines, "inner", self.space.inner_sizes, "r")
+                strides = self.space.inner_strides[position]
+                offset = self._linear(f"{read.param}_r", strides, indices)
+                at = f"{read.param}_outer + {offset}"
                 lane_lines.append(f"const {ctype} {name} = "
                                   f"{generated_expression(read.base, at, self.helpers)};")  # fmt: skip  # noqa: E501
                 continue
@@ -127,8 +127,9 @@ class RowLoads:
         if len(self.space.inner_sizes) == 1:
             step = self._linear(f"{read.param}_r", strides, ["(chunk + j)"])
             at = f"{read.param}_outer + {step}"
-        else:  # several reduced axes: one lane per chunk, decomposed in the lane code
-            at = f"{read.param}_outer + 0"
+        elif self._flat(position):  # several reduced axes walked in order: one axis
+            at = f"{read.param}_outer + chunk + j"
+        else:  # a chunk's index decomposed once; its lanes step along the innermost axis
             return self._decomposed_load(read, position)
         return [
             f"{storage} raw_{read.param}[{self.lanes}];",
@@ -138,10 +139,24 @@ class RowLoads:
         ]
 
     def _decomposed_load(self, read, position) -> list[str]:
-        lines = [f"{read.base.dtype.c_storage} raw_{read.param}[1];"]
+        """A read that is neither flat nor per row (a weight per channel of a group's row):
+        the chunk's index decomposed once; lanes share every axis but the innermost, along
+        which the read is broadcast (stride 0) or contiguous (stride 1)."""
+        storage = read.base.dtype.c_storage
+        strides = self.space.inner_strides[position]
+        lines = [f"{storage} raw_{read.param}[{self.lanes}];"]
         indices = self._decompose(lines, "chunk", self.space.inner_sizes, f"c{read.param}_")
-        offset = self._linear(f"{read.param}_r", self.space.inner_strides[position], indices)
-        lines.append(f"raw_{read.param}[0] = {read.param}[{read.param}_outer + {offset}];")
+        offset = self._linear(f"{read.param}_r", strides, indices)
+        at = f"{read.param}_outer + {offset}"
+        if self.lanes == 1:
+            lines.append(f"raw_{read.param}[0] = {read.param}[{at}];")
+            return lines
+        step = " + j" if strides[-1] else ""
+        lines += [
+            "#pragma unroll",
+            f"for (int j = 0; j < {self.lanes}; ++j) "
+            f"raw_{read.param}[j] = chunk < num_inner ? {read.param}[{at}{step}] : ({storage})0;",
+        ]
         return lines
 
     def _cache_loads(self) -> list[str]:

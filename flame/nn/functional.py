@@ -88,22 +88,39 @@ def rms_norm(x, normalized_shape, weight=None, eps: float | None = None) -> Tens
 
 
 def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """Statistics per (sample, group) over the group's channels and every spatial position.
+
+    Computed over ``x`` viewed as [N, G, C/G, S] (S: the spatial positions): the statistics
+    reduce axes 2 and 3, and the per-channel affine is a broadcast inside each row, so the
+    statistics, normalisation, affine and what follows (SiLU, a time-embedding add, a cast)
+    can run as one row kernel that reads x once (issue 21)."""
     x, weight, bias = full_precision(x, weight, bias)  # autocast: float32
-    if x.ndim < 2 or x.shape[1] % num_groups:
+    if x.ndim < 2:
+        raise ShapeError(
+            f"group_norm: expected an input [N, C, ...] of at least 2 dimensions, got "
+            f"{list(x.shape)}"
+        )
+    batch, channels = x.shape[0], x.shape[1]
+    if num_groups <= 0 or channels % num_groups:
         raise ShapeError(
             f"group_norm: channels of input {list(x.shape)} must divide into {num_groups} groups"
         )
-    batch, channels = x.shape[0], x.shape[1]
-    grouped = reshape(x, (batch, num_groups, -1))
-    centered = grouped - R.mean(grouped, 2, keepdim=True)
-    variance = R.mean(centered * centered, 2, keepdim=True)
-    result = reshape(centered * (variance + eps).rsqrt(), x.shape)
-    affine_shape = (channels,) + (1,) * (x.ndim - 2)
+    for name, parameter in (("weight", weight), ("bias", bias)):
+        if parameter is not None and tuple(parameter.shape) != (channels,):
+            raise ShapeError(
+                f"group_norm: {name} of shape {list(parameter.shape)} does not match the "
+                f"{channels} channels of input {list(x.shape)}"
+            )
+    per_group = (num_groups, channels // num_groups)
+    grouped = reshape(x, (batch, *per_group, -1))
+    centered = grouped - R.mean(grouped, (2, 3), keepdim=True)
+    variance = R.mean(centered * centered, (2, 3), keepdim=True)
+    result = centered * (variance + eps).rsqrt()
     if weight is not None:
-        result = result * reshape(weight, affine_shape)
+        result = result * reshape(weight, (*per_group, 1))
     if bias is not None:
-        result = result + reshape(bias, affine_shape)
-    return result
+        result = result + reshape(bias, (*per_group, 1))
+    return reshape(result, x.shape)
 
 
 def cross_entropy(

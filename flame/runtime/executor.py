@@ -58,7 +58,7 @@ class LibraryCall(Record, frozen=True):
     @classmethod
     def plan(cls, node: Node, slot_of) -> LibraryCall:
         if get_op(node.op).kind == "movement":  # an output handed out as a view (no copy)
-            base, view = library_view(node, computed=False)
+            base, view = library_view(node)
             return cls(node, (slot_of[id(base)],), slot_of[id(node)], (view,))
         inputs, views = [], []
         for child in node.inputs:

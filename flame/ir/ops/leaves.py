@@ -16,8 +16,14 @@ from flame.ir.ops.registry import def_helper, def_op
 # --- data and constants --------------------------------------------------------------------
 
 def_op("buffer", "leaf", 0, differentiable=True, doc="a realized array (the Storage in attrs)")
-def_op("const", "leaf", 0, differentiable=False, attrs={"value": 0, "sized": ""},
-       doc="a scalar constant; ``sized`` (its role): derived from sizes, a kernel argument")
+def_op(
+    "const",
+    "leaf",
+    0,
+    differentiable=False,
+    attrs={"value": 0, "sized": ""},
+    doc="a scalar constant; ``sized`` (its role): derived from sizes, a kernel argument",
+)
 
 # --- index-generated leaves ---------------------------------------------------------------
 

@@ -51,17 +51,28 @@ def handed_out(graph: Graph) -> dict[int, Node]:
     those no other value of the graph reads, since the plan's kernels take every value they
     read from an earlier kernel to be laid out contiguously."""
     read = {id(child) for node in graph.nodes for child in node.inputs}
+    rows = row_shapes(graph)
     return {
         id(node): node for node in graph.outputs
-        if not is_input(node) and id(node) not in read and output_view(node) is not None
+        if not is_input(node) and id(node) not in read and output_view(node, rows) is not None
     }  # fmt: skip
+
+
+def row_shapes(graph: Graph) -> frozenset:
+    """The shapes the graph's reductions walk (their inputs')."""
+    return frozenset(n.inputs[0].shape for n in graph.nodes if get_op(n.op).kind == "reduce")
 
 
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
+    rows = row_shapes(graph)
     for node in handed_out(graph).values():
-        reasons[id(node)] = f"graph output: a view of {output_view(node).op}'s result (no copy)"
+        base = output_view(node, rows)
+        reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
+        if get_op(base.op).kind != "library" and id(base) not in chosen:
+            chosen[id(base)] = base  # written by its row kernel, handed out reshaped
+            reasons[id(base)] = "handed out reshaped as a graph output (no copy)"
 
     def choose(node: Node, reason: str) -> None:
         if not is_input(node) and id(node) not in chosen:

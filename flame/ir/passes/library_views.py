@@ -33,12 +33,26 @@ def own_view(node: Node) -> View:
     return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
 
-def output_view(node: Node) -> Node | None:
-    """The library call whose result a graph output ``node`` is a view of, when it can be
-    handed out as that view instead of a copy: a chain of reshapes, slices and permutes (no
-    broadcast: no two elements share memory) over a library result. Packed results (the
-    attention op's O and statistics, its backward's dQ, dK, dV) reach the user this way."""
-    resolved = library_view(node, computed=False)
+def output_view(node: Node, rows=frozenset()) -> Node | None:
+    """The value whose memory a graph output ``node`` is handed out as a view of, instead of
+    a copy: a chain of reshapes, slices and permutes (no broadcast: no two elements share
+    memory) over a library result, or a reshape in order of a value a row kernel writes
+    (``rows``: the shapes row kernels walk; a group norm's [N, G, C/G, S] result handed out
+    as [N, C, H, W]). Packed results (the attention op's O and statistics, its backward's
+    dQ, dK, dV) reach the user this way."""
+    resolved = handed_view(node, rows)
+    return None if resolved is None else resolved[0]
+
+
+def handed_view(node: Node, rows=frozenset()):
+    """``(base, view)`` of an output ``output_view`` hands out, else None."""
+    resolved = library_view(node, computed=bool(rows))
     if resolved is None or is_input(resolved[0]) or 0 in resolved[1].strides:
         return None
-    return resolved[0]
+    base, view = resolved
+    if get_op(base.op).kind == "library":
+        return resolved
+    in_order = view.offset == 0 and view.strides == View.contiguous(view.shape).strides
+    if base.shape in rows and get_op(base.op).kind == "elementwise" and in_order:
+        return resolved
+    return None
