@@ -26,6 +26,11 @@ from flame.ir.shapes import prod
 FEW_OUTPUTS = 256
 MANY_INPUTS = 1 << 16
 PARTS = 1024
+# A reduction broadcast back over its rows (a norm's statistics, softmax's max and sum) runs
+# in the row kernel that reads each row once and writes it once; split, the rows are read
+# again by each stage. Kept whole from this many rows on (about half the H100's SMs busy
+# with 1024-thread blocks; issue 21, measured in notes/performance.md).
+ROW_KERNEL_ROWS = 64
 
 
 def _parts(count: int) -> int:
@@ -35,7 +40,7 @@ def _parts(count: int) -> int:
     return parts
 
 
-def _split(node: Node, rows=None) -> Node | None:
+def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
     if get_op(node.op).kind != "reduce":
         return None
     source = node.inputs[0]
@@ -49,6 +54,8 @@ def _split(node: Node, rows=None) -> Node | None:
     row = prod(source.shape[rank - len(axes) :])
     if prod(kept) >= FEW_OUTPUTS or row < MANY_INPUTS:
         return None
+    if (source.shape, axes) in normalizing and prod(kept) >= ROW_KERNEL_ROWS:
+        return None
     parts = _parts(row)
     if parts == 1:
         return None
@@ -60,11 +67,35 @@ def _split(node: Node, rows=None) -> Node | None:
 
 def split_reductions(graph: Graph) -> Graph:
     rows = _row_reductions(graph)
+    normalizing = _broadcast_back(graph)
 
     def visit(node: Node) -> Node:
-        return _split(node, rows) or node
+        return _split(node, rows, normalizing) or node
 
     return rewrite(graph, visit)
+
+
+def _broadcast_back(graph: Graph) -> frozenset:
+    """Row keys (input shape, axes) of reductions whose result is broadcast back over their
+    own input's shape, directly or through per-row arithmetic (``x - x.max(-1, keepdim)``,
+    a group norm's mean and variance)."""
+    sources = {node.inputs[0].shape for node in graph.nodes if get_op(node.op).kind == "reduce"}
+    found = set()
+    for node in graph.nodes:
+        if node.op != "expand" or node.shape not in sources:
+            continue
+        stack, seen = [node.inputs[0]], set()
+        while stack:
+            value = stack.pop()
+            if id(value) in seen or value.numel * 2 > node.numel:
+                continue  # per-row values only: at most half the rows' size
+            seen.add(id(value))
+            kind = get_op(value.op).kind
+            if kind == "reduce" and value.inputs[0].shape == node.shape:
+                found.add((node.shape, value.attr("axes")))
+            elif kind in ("elementwise", "movement"):
+                stack.extend(value.inputs)
+    return frozenset(found)
 
 
 def _row_reductions(graph: Graph) -> dict[tuple, int]:
