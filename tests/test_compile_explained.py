@@ -120,3 +120,46 @@ def test_compiled_step_at_new_resolutions_compiles_nothing_new(cuda_backend):
     assert info.traces == 5 and info.replans == 4, info.reasons
     later = [load for load in info.kernels if load["trace"] > 1]
     assert not later, later
+
+
+def test_sibling_classes_are_the_kernels_other_sizes_need(cuda_backend):
+    """``sibling_specs`` of a row kernel lowered at one size: the very code other sizes of
+    every other row-cache class lower to (so compiling them ahead serves those sizes)."""
+    from flame.codegen.reduce import sibling_specs
+    from flame.runtime.executor import _layout_of
+
+    def lowered(height):
+        x = fl.tensor(np.ones((2, 64, height, height), np.float32))
+        weight = fl.tensor(np.ones(64, np.float32))
+        graph = run_pipeline(Graph((norm_silu(x, weight, weight).node,)))
+        (group,) = [g for g in graph.groups if g.kind == "reduce"]
+        return group, lower_group(group, _layout_of)
+
+    group, small = lowered(8)
+    siblings = {spec_key(spec) for spec in sibling_specs(group, _layout_of, small)}
+    assert spec_key(small.spec) not in siblings and len(siblings) == 4
+    for height in (32, 40, 48, 90):  # rows of 8192 .. 64800: 4, 8, 16 chunks, streamed
+        spec = lowered(height)[1].spec
+        assert spec_key(spec) in siblings, spec.size_class
+
+
+def test_sibling_compiler_fills_the_kernel_cache(cuda_backend, nvrtc, tmp_path):
+    from flame.codegen.reduce import sibling_specs
+    from flame.runtime.cache import DiskCache
+    from flame.runtime.compiler import KernelCache
+    from flame.runtime.executor import _layout_of
+    from flame.runtime.siblings import SiblingCompiler
+
+    x = fl.tensor(np.ones((2, 64, 8, 8), np.float32))
+    graph = run_pipeline(Graph((norm_silu(x, None, None).node,)))
+    (group,) = [g for g in graph.groups if g.kind == "reduce"]
+    lowered = lower_group(group, _layout_of)
+    cache = KernelCache(DiskCache(tmp_path), arch="sm_90")
+    compiler = SiblingCompiler(cache)
+    compiler.submit([(group, lowered), (group, lowered)])  # the same kernel once
+    compiler.drain()
+    assert cache.stats.compiles == len(sibling_specs(group, _layout_of, lowered)) == 4
+    hits = cache.stats.memory_hits
+    for spec in sibling_specs(group, _layout_of, lowered):
+        cache.cubin(lambda spec=spec: render(spec), spec.name, spec_key(spec))
+    assert cache.stats.memory_hits == hits + 4 and cache.stats.compiles == 4

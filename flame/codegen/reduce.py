@@ -60,7 +60,9 @@ from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
 
 
-def lower_reduce(group: Group, layout_of) -> Lowered:
+def lower_reduce(group: Group, layout_of, cache_items: int | None = None) -> Lowered:
+    """``cache_items``: lower for that row-cache class (2, 4, 8, 16; 0 streamed) whatever the
+    sizes ask for -- another size class of the same kernel (``sibling_specs``)."""
     reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
     rows, columns, totals = rows_strips_totals(group, reduces)
     shape, axes = rows[0].inputs[0].shape, rows[0].attr("axes")
@@ -84,7 +86,28 @@ def lower_reduce(group: Group, layout_of) -> Lowered:
         for position, node in enumerate(group.outputs) if id(node) not in skipped
     }  # fmt: skip
     writer.index = index_type_for(prod(shape), reads)
+    writer.forced = cache_items
     return writer.build(out_views)
+
+
+ROW_CLASSES = (2, 4, 8, 16, 0)  # the register-cache classes of a row kernel (0: streamed)
+
+
+def sibling_specs(group: Group, layout_of, lowered: Lowered) -> list[KernelSpec]:
+    """The other row-cache classes of a row kernel's code: what a new image size of the same
+    model would need. Compiled in the background (flame/runtime/siblings.py), they make a
+    new resolution's first call a re-plan without an NVRTC compile."""
+    extras = lowered.spec.extras
+    if extras.get("mode") != "block" or extras.get("column_declare"):
+        return []
+    specs = []
+    for items in ROW_CLASSES:
+        if items == extras["cache_items"]:
+            continue
+        sibling = lower_reduce(group, layout_of, items)
+        if sibling.spec.extras["cache_items"] == items:  # the class fits its registers
+            specs.append(sibling.spec)
+    return specs
 
 
 def _same_reads(reads, views):
@@ -142,6 +165,7 @@ class _ReduceWriter(RowLoads):
         self.skipped: set[int] = set()  # outputs the row and scalar stores leave alone
         self.column_shape = None
         self.out_index: dict[int, int] = {}
+        self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
         self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
         self.level = self._levels()
 
@@ -220,8 +244,8 @@ class _ReduceWriter(RowLoads):
         self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
-        cached = cache_class(items)
-        fits = cached * self.lanes * held <= 96 and self.threads <= 512
+        cached = cache_class(items) if self.forced is None else self.forced
+        fits = cached * self.lanes * held <= 96 and (self.threads <= 512 or self.forced)
         if walkable and cached and fits:
             self.items = cached
         # strip sums: every thread owns the same columns in every row of its strip

@@ -25,6 +25,7 @@ from flame.records import Record, field
 from flame.runtime import events, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.launch import Launch
+from flame.runtime.siblings import SiblingCompiler
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import RecordedWalk, linearize, record_walk
 from flame.runtime.writes import reads_elementwise, writable
@@ -105,6 +106,7 @@ class Executor:
 
     def __init__(self, kernels: KernelCache | None = None):
         self.kernels = kernels or default_kernel_cache()
+        self.siblings = SiblingCompiler(self.kernels)  # other size classes, in the background
         self._plans: dict[tuple, Plan] = {}
         self._functions: dict[str, object] = {}
         self._lock = threading.Lock()
@@ -322,18 +324,21 @@ class Executor:
             graph, passes = graph
         slot_of = {id(node): index for index, node in enumerate(inputs)}
         slot_count = len(inputs)
-        lowered_groups = []
+        lowered_groups, rows = [], []
         for group in graph.groups:
             for output in group.outputs:
                 slot_of[id(output)] = slot_count
                 slot_count += 1
             if group.kind != "library":
                 lowered_groups.append(lower_group(group, _layout_of))
+            if group.kind == "reduce":
+                rows.append((group, lowered_groups[-1]))
         sources = [
             (functools.partial(render, low.spec), low.spec.name, spec_key(low.spec), low.spec)
             for low in lowered_groups
         ]
         functions = iter(self._load(sources))
+        self.siblings.submit(rows)
         kernels = iter(lowered_groups)
         launches = tuple(
             LibraryCall.plan(group.nodes[0], slot_of) if group.kind == "library"

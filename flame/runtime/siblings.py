@@ -1,0 +1,78 @@
+"""Other size classes of the row kernels a plan uses, compiled in the background.
+
+A row kernel's code depends on its row-cache class (flame/codegen/reduce.py): a model trained
+at several resolutions or aspect-ratio buckets meets each class's first size with an NVRTC
+compile on its critical path (30-250 ms measured). After a plan's kernels are loaded, one
+daemon thread lowers and compiles the other classes of each new row kernel into the kernel
+cache (memory and disk), so a later size of another class finds its kernel there. Work the
+thread has not reached costs nothing but its compile; a process that exits stops the thread
+(compiles in flight finish). ``FLAME_SIBLING_CLASSES=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import queue
+import threading
+
+_MAX_KERNELS = 512  # per process: a bound on background work, never on correctness
+
+
+class SiblingCompiler:
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self._queue: queue.Queue = queue.Queue()
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, groups_and_lowered) -> None:
+        """Queue the row kernels of a new plan: (group, lowered) pairs."""
+        if os.environ.get("FLAME_SIBLING_CLASSES", "1") == "0":
+            return
+        with self._lock:
+            fresh = [(g, low) for g, low in groups_and_lowered if low.spec.name not in self._seen]
+            if not fresh or len(self._seen) >= _MAX_KERNELS:
+                return
+            self._seen.update(low.spec.name for _, low in fresh)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="flame-size-classes", daemon=True
+                )
+                self._thread.start()
+                atexit.register(self.stop)
+        for item in fresh:
+            self._queue.put(item)
+
+    def drain(self) -> None:
+        """Wait until the queued kernels are compiled."""
+        self._queue.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        from flame.codegen.reduce import sibling_specs
+        from flame.codegen.render import render, spec_key
+        from flame.runtime.executor import _layout_of
+
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None or self._stop.is_set():
+                    return
+                group, lowered = item
+                for spec in sibling_specs(group, _layout_of, lowered):
+                    if self._stop.is_set():
+                        return
+                    self.kernels.cubin(functools.partial(render, spec), spec.name, spec_key(spec))
+            except Exception:  # noqa: BLE001, S112  best effort: a plan compiles what it needs
+                continue
+            finally:
+                self._queue.task_done()
