@@ -1,0 +1,1 @@
+"""Diffusion training with FLAME: the denoisers (``models``) and what trains them."""
