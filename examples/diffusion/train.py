@@ -1,0 +1,519 @@
+"""Train a class-conditional diffusion model with FLAME, then sample it and judge the samples.
+
+    python -m examples.diffusion.train --quick                  # ~a minute on the CPU
+    python -m examples.diffusion.train --model unet --steps 20000 --bf16 --out runs/unet
+    python -m examples.diffusion.train --out runs/unet --resume --steps 40000
+    python -m examples.diffusion.train --out runs/unet --sample --sampler ddpm --guidance 3
+
+The data are scikit-learn's handwritten digits upsampled to 32x32 (or ``--data DIR``, one
+subfolder per class). One training step -- the forward pass and the loss at random
+timesteps (drawn, with the noise and the label dropout of classifier-free guidance, from a
+FLAME generator inside the step), the backward pass, gradient clipping, AdamW with its
+warm-up, and the EMA of the weights -- is a single ``fl.compile``d function: traced once,
+then replayed with no Python per parameter. Every ``--save-every`` steps a safetensors
+checkpoint (model, EMA, optimizer, step, generator and data-order state) is written
+atomically to ``--out``; ``--resume`` continues from the last one with the numbers an
+uninterrupted run would have had. At the end the EMA weights are sampled (DDPM or DDIM),
+and ``loss.png``, ``samples.png`` (one row per class) and ``quality.json`` (how often a
+classifier trained on the real digits recognises the class each sample was asked for) are
+written to ``--out``. Without a GPU everything runs on FLAME's reference backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np
+
+import flame as fl
+import flame.nn as nn
+from examples.diffusion import data as datasets
+from examples.diffusion.diffusion import PREDICTIONS, SCHEDULES, Sampler, make_schedule
+from examples.diffusion.diffusion import training_loss as diffusion_loss
+from flame.optim.swa_utils import AveragedModel
+
+# what --quick and a full run use for every option not given on the command line
+QUICK = {"size": "tiny", "image_size": 16, "batch_size": 32, "steps": 80, "warmup": 10,
+         "save_every": 40, "sample_steps": 10, "columns": 6, "lr": 2e-3}  # fmt: skip
+FULL = {"size": "full", "image_size": 32, "batch_size": 128, "steps": 20000, "warmup": 1000,
+        "save_every": 2000, "sample_steps": 50, "columns": 10, "lr": 2e-4}  # fmt: skip
+# the options that make a checkpoint's tensors: a checkpoint from other values cannot load
+CONFIG_KEYS = ("model", "size", "image_size", "channels", "num_classes", "schedule",
+               "prediction")  # fmt: skip
+
+
+LOG_EVERY = 10  # steps between reads of the losses (each read waits for the device)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used by this run, and why."""
+
+
+# --- options ----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", choices=("unet", "dit"), default="unet")
+    add("--size", choices=("full", "tiny"), help="model size (default full; tiny with --quick)")
+    add("--data", type=Path, help="a folder with one subfolder of images per class")
+    add("--image-size", type=int, help="side of the square images (default 32)")
+    add("--channels", type=int, choices=(1, 3), default=1, help="--data: grayscale or RGB")
+    add("--batch-size", type=int)
+    add("--steps", type=int, help="train until this many steps in all")
+    add("--lr", type=float, help="peak learning rate (default 2e-4)")
+    add("--warmup", type=int, help="steps of linear learning-rate warm-up")
+    add("--weight-decay", type=float, default=0.0)
+    add("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    add("--ema", type=float, default=0.9999, help="EMA decay, warmed up as (1+n)/(10+n)")
+    add("--schedule", choices=SCHEDULES, default="linear")
+    add("--prediction", choices=PREDICTIONS, default="eps")
+    add("--cfg-dropout", type=float, default=0.1, help="label dropout for guidance")
+    add("--bf16", action="store_true", help="forward pass under bfloat16 autocast")
+    add("--checkpoint-blocks", action="store_true", help="recompute blocks in the backward")
+    add("--out", type=Path, help="run folder (default runs/diffusion, runs/diffusion-quick)")
+    add("--save-every", type=int)
+    add("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    add("--overwrite", action="store_true", help="start afresh in an --out with checkpoints")
+    add("--sample", action="store_true", help="only sample from the last checkpoint")
+    add("--checkpoint", type=Path, help="the checkpoint for --resume/--sample")
+    add("--sampler", choices=("ddpm", "ddim"), default="ddim")
+    add(
+        "--sample-steps",
+        type=int,
+        help="sampler steps (default 50, 10 with --quick; DDPM below 1000 walks a respaced chain)",
+    )
+    add("--guidance", type=float, default=2.0, help="classifier-free guidance scale w")
+    add("--columns", type=int, help="samples per class in samples.png")
+    add("--seed", type=int, default=0)
+    add("--reference", action="store_true", help="run on the reference backend")
+    add("--quick", action="store_true", help="a tiny run of about a minute (replaces one in --out)")
+    add("--no-progress", action="store_true", help="no progress bar")
+    options = parser.parse_args(argv)
+    if options.out is None:
+        options.out = Path("runs/diffusion-quick" if options.quick else "runs/diffusion")
+    for key, value in (QUICK if options.quick else FULL).items():
+        if getattr(options, key) is None:
+            setattr(options, key, value)
+    return options
+
+
+# --- the model, the EMA and the optimizer -----------------------------------------------------
+
+
+def default_builder(name, image_size, in_channels, num_classes, size, **overrides):
+    from examples.diffusion.models import build_model
+
+    return build_model(name, image_size, in_channels, num_classes, size, **overrides)
+
+
+class DeviceAdamW:
+    """AdamW (PyTorch's update, as ``fl.optim.AdamW``'s) written with FLAME ops on the
+    optimizer's own state, so that it can run inside a compiled step: ``fl.optim.AdamW.step``
+    launches its multi-tensor kernel at once and cannot be traced. The step count lives in
+    a 0-d device tensor, and the learning rate with its linear warm-up and the bias
+    corrections are computed from it on the device: nothing per step comes from the host.
+    The state is the optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``), so the optimizer's
+    ``state_dict`` and checkpoints keep PyTorch's layout."""
+
+    def __init__(self, optimizer: fl.optim.AdamW, warmup: int):
+        self.optimizer, self.warmup = optimizer, max(int(warmup), 1)
+        group = optimizer.param_groups[0]
+        self.lr, self.weight_decay, self.eps = group["lr"], group["weight_decay"], group["eps"]
+        self.betas = group["betas"]
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        steps = 0.0
+        for param in self.params:
+            state = optimizer.state.setdefault(param)
+            if "exp_avg" not in state:
+                state["exp_avg"] = fl.zeros_like(param).realize()
+                state["exp_avg_sq"] = fl.zeros_like(param).realize()
+            steps = float(state.get("step", 0.0))
+        self.count = fl.tensor(steps).realize()  # float32: exact up to 2^24 steps
+
+    def lr_at(self, count):
+        """The learning rate of step ``count`` (1-based): linear warm-up, then constant."""
+        return self.lr * fl.clamp(count / self.warmup, max=1.0)
+
+    def step_(self) -> fl.Tensor:
+        """One update of every parameter with a gradient, in place; returns the rate used."""
+        beta1, beta2 = self.betas
+        self.count.add_(1.0)
+        lr = self.lr_at(self.count)
+        step_size = lr / -fl.expm1(self.count * math.log(beta1))  # lr / (1 - beta1^t)
+        bias2_sqrt = fl.sqrt(-fl.expm1(self.count * math.log(beta2)))
+        decay = 1.0 - lr * self.weight_decay
+        for param in self.params:
+            if param.grad is None:
+                continue
+            state = self.optimizer.state[param]
+            grad = param.grad.float()
+            state["exp_avg"].lerp_(grad, 1.0 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+            denominator = state["exp_avg_sq"].sqrt() / bias2_sqrt + self.eps
+            param.mul_(decay).sub_(step_size * state["exp_avg"] / denominator)
+        return lr
+
+    def sync_state(self) -> None:
+        """Put the step count into the optimizer's state as a number (PyTorch's layout)."""
+        steps = float(self.count.item())
+        for param in self.params:
+            self.optimizer.state[param]["step"] = steps
+
+
+def ema_update_(ema: AveragedModel, model: nn.Module, decay: float) -> None:
+    """``ema = lerp(ema, model, 1 - d)`` with ``d = min(decay, (1 + n) / (10 + n))`` after
+    ``n`` updates: the warm-up keeps the average from clinging to the random
+    initialisation for the ~1/(1-decay) steps a fixed 0.9999 would need. In place, on the
+    device (traceable, unlike ``AveragedModel.update_parameters``, which launches kernels)."""
+    count = ema.n_averaged.float()
+    weight = 1.0 - fl.clamp((1.0 + count) / (10.0 + count), max=decay)
+    for averaged, current in zip(ema.module.parameters(), model.parameters()):
+        averaged.lerp_(current.detach(), weight)
+    for averaged, current in zip(ema.module.buffers(), model.buffers()):
+        averaged.copy_(current)
+    ema.n_averaged.add_(1)
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def load_data(options):
+    if options.data is None:
+        data = datasets.load_digits(options.image_size)
+    else:
+        data = datasets.load_folder(options.data, options.image_size, options.channels)
+    return datasets.held_out_split(data, 0.1, seed=options.seed)
+
+
+def run_config(options, train: datasets.Dataset) -> dict:
+    return {
+        "model": options.model, "size": options.size, "image_size": train.image_size,
+        "channels": train.channels, "num_classes": len(train.classes),
+        "schedule": options.schedule, "prediction": options.prediction,
+        "data": str(options.data) if options.data else "digits", "classes": train.classes,
+    }  # fmt: skip
+
+
+class Trainer:
+    """The model, its EMA, the optimizer, the generator and the compiled step of one run."""
+
+    def __init__(self, options, config: dict, builder=None):
+        self.options, self.config = options, config
+        fl.manual_seed(options.seed)  # the initial weights
+        build = builder or default_builder
+        # blocks that recompute their activations in the backward (fl.checkpoint): the
+        # models take it as a constructor argument, so it is asked for only when wanted
+        overrides = {"checkpoint": True} if options.checkpoint_blocks else {}
+        self.model = build(config["model"], config["image_size"], config["channels"],
+                           config["num_classes"], config["size"], **overrides)  # fmt: skip
+        self.ema = AveragedModel(self.model)
+        self.ema.requires_grad_(False)
+        self.optimizer = fl.optim.AdamW(
+            self.model.parameters(), lr=options.lr, weight_decay=options.weight_decay
+        )
+        self.generator = fl.Generator().manual_seed(options.seed + 1)
+        self.schedule = make_schedule(config["schedule"])
+        self.step, self.losses = 0, []
+        self.adamw = None
+
+    def prepare(self) -> None:
+        """Build the device optimizer and the compiled step (after any checkpoint load: a
+        load gives the optimizer new state tensors, which the step must close over)."""
+        self.adamw = DeviceAdamW(self.optimizer, self.options.warmup)
+        self.compiled = fl.compile(self.train_step)
+
+    def train_step(self, images, labels):
+        """One whole training step; traced once by ``fl.compile``, then replayed."""
+        options = self.options
+        with fl.autocast(dtype=fl.bfloat16, enabled=options.bf16):
+            loss = diffusion_loss(
+                self.model, images, labels, self.schedule, prediction=options.prediction,
+                cfg_dropout=options.cfg_dropout, num_classes=self.config["num_classes"],
+                generator=self.generator,
+            )  # fmt: skip
+        loss.backward()
+        params = self.adamw.params
+        if options.grad_clip > 0:
+            norm = nn.utils.clip_grad_norm_(params, options.grad_clip)
+        else:
+            norm = fl.zeros(())
+        with fl.no_grad():
+            lr = self.adamw.step_()
+            ema_update_(self.ema, self.model, options.ema)
+        self.optimizer.zero_grad(set_to_none=True)  # no gradient leaves the program
+        return loss.detach(), norm.detach(), lr
+
+    # --- checkpoints ---
+
+    def save(self, directory: Path, loader: datasets.BatchLoader) -> Path:
+        """Write ``ckpt-<step>.safetensors`` atomically (FLAME writes beside the name, then
+        renames): a run killed mid-write leaves the previous checkpoint as the last one."""
+        from flame.io import save_checkpoint
+
+        self.adamw.sync_state()
+        path = directory / f"ckpt-{self.step:08d}.safetensors"
+        extra = {
+            "config": self.config,
+            "generator": [int(v) for v in self.generator.get_state().numpy()],
+            "data": loader.state_dict(),
+            "losses": [float(v) for v in self.losses],
+        }
+        save_checkpoint(path, model=self.model, ema=self.ema, optimizer=self.optimizer,
+                        step=self.step, rng=True, extra=extra)  # fmt: skip
+        return path
+
+    def load(self, path: Path, loader: datasets.BatchLoader | None) -> None:
+        from flame.io import load_checkpoint
+
+        check_config(path, self.config)
+        try:
+            state = load_checkpoint(path, model=self.model, ema=self.ema, optimizer=self.optimizer)
+        except Exception as error:  # a shape mismatch the config check did not catch
+            message = f"cannot load checkpoint {path} into this model: {error}"
+            raise CheckpointError(message) from error
+        extra = state["extra"]
+        self.step = int(state["step"])
+        self.losses = list(extra.get("losses", []))
+        self.generator.set_state(np.array(extra["generator"], dtype=np.int64))
+        if loader is not None:
+            loader.load_state_dict(extra["data"])
+
+
+def read_config(path: Path) -> dict:
+    """The run configuration stored in a checkpoint, read from its header only."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as error:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(error).__name__}: {error}); it may be "
+            "truncated or not a safetensors file. Delete it to resume from an earlier one."
+        ) from error
+    try:
+        return json.loads(metadata["flame.extra"])["config"]
+    except (KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{path} is not a checkpoint of this example (no run "
+                              "configuration in its metadata)") from error  # fmt: skip
+
+
+def check_config(path: Path, config: dict) -> None:
+    saved = read_config(path)
+    different = [key for key in CONFIG_KEYS if saved.get(key) != config.get(key)]
+    if different:
+        described = ", ".join(f"{key}: {saved.get(key)!r} there, {config.get(key)!r} here"
+                              for key in different)  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} was written by a run with another configuration ({described}); "
+            "use the same options, or another --out for a new run"
+        )
+
+
+def last_checkpoint(directory: Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (temporary ``.partial`` files of an
+    interrupted write never carry the final name)."""
+    found = sorted(directory.glob("ckpt-*.safetensors")) if directory.is_dir() else []
+    return found[-1] if found else None
+
+
+def clear_checkpoints(directory: Path, allowed: bool) -> None:
+    """A fresh run must not mix its checkpoints with an earlier run's: it removes them when
+    allowed (``--overwrite``, ``--quick``) and refuses otherwise."""
+    found = sorted(directory.glob("ckpt-*.safetensors"))
+    if found and not allowed:
+        raise CheckpointError(
+            f"{directory} already holds checkpoints of an earlier run (last: {found[-1].name}); "
+            "pass --resume to continue it, --overwrite to start afresh, or another --out"
+        )
+    for path in found:
+        path.unlink()
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+def train(options, builder=None) -> dict:
+    train_data, held_out = load_data(options)
+    config = run_config(options, train_data)
+    options.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(options, config, builder)
+    loader = datasets.BatchLoader(train_data, options.batch_size, seed=options.seed)
+    if options.resume:
+        path = options.checkpoint or last_checkpoint(options.out)
+        if path is None:
+            raise CheckpointError(f"--resume: no checkpoint in {options.out}")
+        trainer.load(path, loader)
+        print(f"resumed from {path} at step {trainer.step}")
+    else:
+        clear_checkpoints(options.out, options.overwrite or options.quick)
+    trainer.prepare()
+    try:
+        timing = run_steps(trainer, loader, options)
+    finally:
+        loader.close()
+    datasets.plot_losses(trainer.losses, options.out / "loss.png")
+    quality = sample_and_judge(trainer, train_data, held_out, options)
+    summary = {"steps": trainer.step, "final_loss": _final_loss(trainer.losses), **timing,
+               "agreement": quality["agreement"],
+               "classifier_heldout_accuracy": quality["classifier_heldout_accuracy"]}  # fmt: skip
+    print_summary(summary, options.out)
+    return summary
+
+
+class Throughput:
+    """The first step's time (tracing and compiling included) and the images per second of
+    the steps after it, checkpoint writing left out."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size, self.first_step_s, self.began = batch_size, None, None
+        self.steps, self.paused_s = 0, 0.0
+
+    def stepped(self, clock: float, loss: fl.Tensor) -> None:
+        if self.first_step_s is None:
+            loss.item()  # waits for the step
+            self.first_step_s = time.perf_counter() - clock
+            self.began = time.perf_counter()
+        else:
+            self.steps += 1
+
+    def images_per_s(self) -> float | None:
+        if not self.steps:
+            return None
+        elapsed = time.perf_counter() - self.began - self.paused_s
+        return self.steps * self.batch_size / elapsed
+
+
+def run_steps(trainer: Trainer, loader, options) -> dict:
+    """The training loop: compiled steps, the losses read back every ``LOG_EVERY`` steps
+    (a read waits for the device), a checkpoint every ``--save-every`` steps."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=options.steps, initial=trainer.step, disable=options.no_progress,
+               unit="step", dynamic_ncols=True)  # fmt: skip
+    meter, pending = Throughput(options.batch_size), []
+    for index in range(trainer.step, options.steps):
+        images, labels = next(loader)
+        clock = time.perf_counter()
+        loss, _, _ = trainer.compiled(images, labels)
+        meter.stepped(clock, loss)
+        pending.append(loss)
+        trainer.step = index + 1
+        saving = trainer.step % options.save_every == 0 or trainer.step == options.steps
+        if len(pending) == LOG_EVERY or saving:
+            trainer.losses += fl.stack(pending).numpy().tolist()
+            pending = []
+            rate = meter.images_per_s()
+            bar.set_postfix(loss=f"{trainer.losses[-1]:.4f}", img_s=f"{rate or 0:.1f}")
+        bar.update(1)
+        if saving:
+            clock = time.perf_counter()
+            trainer.save(options.out, loader)
+            meter.paused_s += time.perf_counter() - clock
+    bar.close()
+    fl.synchronize()
+    return {"first_step_s": meter.first_step_s, "images_per_s": meter.images_per_s()}
+
+
+def _final_loss(losses: list) -> float | None:
+    """The mean of the last ten losses: one step's loss is as noisy as its timesteps."""
+    return float(np.mean(losses[-10:])) if losses else None
+
+
+# --- sampling and the quality check ---------------------------------------------------------------
+
+
+def sample_and_judge(trainer: Trainer, train_data, held_out, options) -> dict:
+    """Sample ``--columns`` images per class from the EMA weights, write ``samples.png`` and
+    ``quality.json``; returns the quality report."""
+    config = trainer.config
+    classes = config["num_classes"]
+    labels = np.repeat(np.arange(classes, dtype=np.int64), options.columns)
+    model = trainer.ema.module.eval()
+    generator = fl.Generator().manual_seed(options.seed + 2)  # samples independent of training
+    sampler = Sampler(model, trainer.schedule, kind=options.sampler, steps=options.sample_steps,
+                      prediction=config["prediction"], guidance=options.guidance,
+                      num_classes=classes, generator=generator)  # fmt: skip
+    shape = (len(labels), config["channels"], config["image_size"], config["image_size"])
+    noise = fl.randn(*shape, generator=generator)
+    began = time.perf_counter()
+    images = sampler.sample(noise, fl.tensor(labels)).numpy().copy()
+    sampling_s = time.perf_counter() - began
+    datasets.plot_samples(images, options.columns, config["classes"], options.out / "samples.png")
+    classifier = datasets.fit_classifier(train_data)
+    report = datasets.quality_report(classifier, images, labels, train_data, held_out)
+    report.update({"sampler": options.sampler, "sample_steps": len(sampler.timesteps),
+                   "guidance": options.guidance, "sampling_s": sampling_s,
+                   "step": trainer.step})  # fmt: skip
+    (options.out / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    def number(value, form):
+        return "n/a" if value is None else format(value, form)
+
+    print(
+        f"steps {summary['steps']}  final loss {number(summary['final_loss'], '.4f')}  "
+        f"{number(summary['images_per_s'], '.1f')} images/s  "
+        f"first step {number(summary['first_step_s'], '.2f')} s"
+    )
+    print(
+        f"class agreement of the samples {number(summary['agreement'], '.3f')} (the same "
+        f"classifier on real held-out images: "
+        f"{number(summary['classifier_heldout_accuracy'], '.3f')})"
+    )
+    print(f"wrote {out}/loss.png, {out}/samples.png, {out}/quality.json")
+
+
+def sample_only(options, builder=None) -> dict:
+    """``--sample``: the model configuration comes from the checkpoint."""
+    path = options.checkpoint or last_checkpoint(options.out)
+    if path is None:
+        raise CheckpointError(f"--sample: no checkpoint in {options.out}")
+    saved = read_config(path)
+    for key in ("model", "size", "image_size", "channels", "schedule", "prediction"):
+        setattr(options, key, saved[key])
+    if saved["data"] != "digits":
+        options.data = Path(saved["data"])
+    train_data, held_out = load_data(options)
+    trainer = Trainer(options, run_config(options, train_data), builder)
+    trainer.load(path, None)
+    report = sample_and_judge(trainer, train_data, held_out, options)
+    print(f"step {trainer.step}: class agreement {report['agreement']:.3f} (classifier on real "
+          f"held-out images: {report['classifier_heldout_accuracy']:.3f})")  # fmt: skip
+    return report
+
+
+def main(argv=None, builder=None):
+    """Parse ``argv``, choose the backend (the GPU where there is one) and run. ``builder``
+    replaces ``models.build_model`` (the tests pass a small stand-in)."""
+    options = parse_args(argv)
+    from flame.runtime.device import gpu_available, gpu_unavailable_reason
+
+    backend = "cuda"
+    if options.reference:
+        backend = "reference"
+    elif not gpu_available():
+        print(f"no GPU ({gpu_unavailable_reason()}): running on the reference backend")
+        backend = "reference"
+    with fl.backend(backend):
+        if options.sample:
+            return sample_only(options, builder)
+        return train(options, builder)
+
+
+if __name__ == "__main__":
+    main()
