@@ -99,9 +99,10 @@ def test_kernel_loads_explain_each_compile(cuda_backend, nvrtc, tmp_path):
 
 
 @pytest.mark.gpu
-def test_compiled_step_at_new_resolutions_compiles_nothing_new(cuda_backend):
-    """A compiled training-style step at new image sizes of one class: re-planned, no kernel
-    loaded (every trace after the first has no entry in ``cache_info().kernels``)."""
+def test_compiled_step_at_new_resolutions_compiles_only_new_size_classes(cuda_backend):
+    """A compiled training-style step at new image sizes: re-planned, and a kernel is loaded
+    after the first trace only for a size class not seen before (the loss's sum over the
+    whole batch changes class with the total size), each saying so."""
     weight = fl.ones(32, requires_grad=True)
     bias = fl.zeros(32, requires_grad=True)
 
@@ -118,8 +119,14 @@ def test_compiled_step_at_new_resolutions_compiles_nothing_new(cuda_backend):
         weight.grad = bias.grad = None
     info = step.cache_info()
     assert info.traces == 5 and info.replans == 4, info.reasons
-    later = [load for load in info.kernels if load["trace"] > 1]
-    assert not later, later
+    seen = {
+        (stem(load["kernel"]), load["size_class"]) for load in info.kernels if load["trace"] == 1
+    }
+    for load in info.kernels:
+        if load["trace"] > 1:
+            assert load["reason"].startswith("size class"), load
+            assert (stem(load["kernel"]), load["size_class"]) not in seen, load
+            seen.add((stem(load["kernel"]), load["size_class"]))
 
 
 def test_sibling_classes_are_the_kernels_other_sizes_need(cuda_backend):

@@ -239,7 +239,7 @@ class _ReduceWriter(RowLoads):
         row_reads = [
             r for position, r in enumerate(self.reads)
             if id(r.top) not in self.scalar_values and not r.generated
-            and any(self.space.outer_strides[position]) and self._flat(position)
+            and any(self.space.outer_strides[position]) and self._cacheable(position)
         ]  # fmt: skip
         self.cached_reads = {id(r) for r in row_reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
@@ -255,8 +255,12 @@ class _ReduceWriter(RowLoads):
 
     def _flat(self, position: int) -> bool:
         """Operand ``position`` walks the reduced axes in order, as one contiguous axis."""
-        strides = self.space.inner_strides[position]
-        return len(strides) == 1 or strides == contiguous_strides(self.space.inner_sizes)
+        return self.space.inner_strides[position] == contiguous_strides(self.space.inner_sizes)
+
+    def _cacheable(self, position: int) -> bool:
+        """Operand ``position``'s chunk loads need no per-chunk index decomposition: one
+        reduced axis (any stride), or several walked in order."""
+        return len(self.space.inner_sizes) == 1 or self._flat(position)
 
     def _walkable(self) -> bool:
         """The row is one axis for every operand, or its operands are flat, per-row scalars,

@@ -105,9 +105,11 @@ class DumpRecorder:
         if handler is not None:
             handler(**data)
 
-    def _on_kernel(self, name, origin, seconds, key, source) -> None:
+    def _on_kernel(self, name, origin, seconds, key, source, reason="") -> None:
         with self._lock:
-            self._kernel_events[name] = {"origin": origin, "seconds": seconds, "key": key}
+            self._kernel_events[name] = {
+                "origin": origin, "seconds": seconds, "key": key, "reason": reason,
+            }  # fmt: skip
 
     def _on_trace(self, function, reason, seconds) -> None:
         with self._lock:
