@@ -55,6 +55,7 @@ plumbing only. Writes ``diffusion_kernels.json`` and ``diffusion_kernels.md`` un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -235,7 +236,16 @@ def groupnorm_systems(case, dtype: str, channels_last: bool, backward: bool, bac
         if tensor.ndim != 4 or not channels_last:
             copy = to_flame(tensor, backend, grad)
         else:
-            view = to_flame(tensor.permute(0, 2, 3, 1), backend).permute(0, 3, 1, 2).realize()
+            view = None
+            if backend == "cuda":  # DLPack keeps the strides: NCHW indices over NHWC memory
+                import flame as fl
+
+                with contextlib.suppress(Exception):
+                    memory = tensor.detach().clone(memory_format=torch.channels_last)
+                    view = fl.from_dlpack(memory)
+            if view is None:
+                view = to_flame(tensor.permute(0, 2, 3, 1), backend).permute(0, 3, 1, 2)
+                view = view.realize()
             copy = view.requires_grad_() if grad else view
         if tensor.ndim == 4:
             try:

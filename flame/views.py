@@ -215,3 +215,21 @@ for _name, _function in (
     setattr(Tensor, _name, _function)
 Tensor.T = property(lambda self: permute(self, tuple(reversed(range(self.ndim)))))
 Tensor.mT = property(lambda self: transpose(self, -2, -1))
+
+
+def channels_innermost(x: Tensor) -> bool:
+    """Whether ``x`` [N, C, *S] lies in memory with its channels innermost (a channels-last
+    convolution's result, a channels_last tensor from PyTorch): known from its lazy views
+    without running anything. Code that walks channels in groups picks its order by it."""
+    from flame.ir.passes.library_views import own_view
+    from flame.ir.views import resolve
+
+    if x.ndim < 3 or x.shape[1] == 1 or prod(x.shape[2:]) == 1:
+        return False
+    resolved = resolve(x.node, own_view, lambda movement: True)
+    if resolved is None:
+        return False
+    strides = resolved[1].strides
+    return strides[1] == 1 and all(
+        s >= x.shape[1] for s, n in zip(strides[2:], x.shape[2:]) if n > 1
+    )

@@ -276,7 +276,7 @@ class Kernel:
     size: tuple
     # (shape pattern, index among the plan's kernels, number of kernels): kernels are compared
     # within one slot; a shape pattern or a plan of another length may change the code
-    slot: tuple[str, int, int]
+    slot: tuple[str, int, int, str]
     ops: str  # the group's kind and ops, for messages
     spec: object
     key: str
@@ -303,7 +303,9 @@ def kernels_of(pattern_name: str, sizes: tuple | None = None) -> tuple[Kernel, .
             lowered = lower(pattern.build(*size))
             shapes = pattern.structure(*size)
             for index, (ops, spec) in enumerate(lowered):
-                slot = (shapes, index, len(lowered))
+                # kernels of other ops (the save-or-recompute cut chose by bytes) are other
+                # kernels, not code that follows sizes
+                slot = (shapes, index, len(lowered), ops)
                 found.append(Kernel(size, slot, ops, spec, spec_key(spec)))
     assert found, f"{pattern_name}: no generated kernel at any size (all library calls?)"
     return tuple(found)
@@ -315,8 +317,8 @@ def size_class(kernel: Kernel) -> str:
     return getattr(kernel.spec, "size_class", "")
 
 
-def by_slot_and_class(kernels) -> dict[tuple[str, int, int], dict[str, list[Kernel]]]:
-    table: dict[tuple[str, int, int], dict[str, list[Kernel]]] = {}
+def by_slot_and_class(kernels) -> dict[tuple, dict[str, list[Kernel]]]:
+    table: dict[tuple, dict[str, list[Kernel]]] = {}
     for kernel in kernels:
         table.setdefault(kernel.slot, {}).setdefault(size_class(kernel), []).append(kernel)
     return table
@@ -409,7 +411,7 @@ def _sizes(sizes: list[tuple], limit: int = 8) -> str:
 
 
 def describe(pattern_name: str, slot) -> str:
-    shapes, index, count = slot
+    shapes, index, count, _ = slot
     return f"{pattern_name} [{PATTERNS[pattern_name].dims}] {shapes}, kernel {index} of {count}"
 
 

@@ -36,10 +36,11 @@ def own_view(node: Node) -> View:
 def output_view(node: Node, rows=frozenset()) -> Node | None:
     """The value whose memory a graph output ``node`` is handed out as a view of, instead of
     a copy: a chain of reshapes, slices and permutes (no broadcast: no two elements share
-    memory) over a library result, or a reshape in order of a value a row kernel writes
-    (``rows``: the shapes row kernels walk; a group norm's [N, G, C/G, S] result handed out
-    as [N, C, H, W]). Packed results (the attention op's O and statistics, its backward's
-    dQ, dK, dV) reach the user this way."""
+    memory) over a library result, or over a value a row kernel's group writes (``rows``:
+    the shapes row kernels walk; a group norm's [N, G, C/G, S] result handed out as
+    [N, C, H, W], a channels-last one's [N, S, G, C/G] as a permuted view). Packed results
+    (the attention op's O and statistics, its backward's dQ, dK, dV) reach the user this
+    way."""
     resolved = handed_view(node, rows)
     return None if resolved is None else resolved[0]
 
@@ -52,7 +53,6 @@ def handed_view(node: Node, rows=frozenset()):
     base, view = resolved
     if get_op(base.op).kind == "library":
         return resolved
-    in_order = view.offset == 0 and view.strides == View.contiguous(view.shape).strides
-    if base.shape in rows and get_op(base.op).kind == "elementwise" and in_order:
-        return resolved
+    if base.shape in rows and get_op(base.op).kind == "elementwise" and not view.offset:
+        return resolved  # every element once (no broadcast): the kernel's buffer, viewed
     return None
