@@ -1,7 +1,8 @@
 """Train a class-conditional diffusion model with FLAME, then sample it and judge the samples.
 
+    python -m examples.diffusion.train                          # GPU: the demo preset, minutes
     python -m examples.diffusion.train --quick                  # ~a minute on the CPU
-    python -m examples.diffusion.train --model unet --steps 20000 --bf16 --out runs/unet
+    python -m examples.diffusion.train --preset full --bf16 --out runs/unet   # the paper's UNet
     python -m examples.diffusion.train --out runs/unet --resume --steps 40000
     python -m examples.diffusion.train --out runs/unet --sample --sampler ddpm --guidance 3
 
@@ -43,8 +44,12 @@ from flame.optim.swa_utils import AveragedModel
 # what --quick and a full run use for every option not given on the command line
 QUICK = {"size": "tiny", "image_size": 16, "batch_size": 32, "steps": 80, "warmup": 10,
          "save_every": 40, "sample_steps": 10, "columns": 6, "lr": 2e-3}  # fmt: skip
+# the README's GPU run: a few minutes to recognisable digits
+DEMO = {"size": "small", "image_size": 32, "batch_size": 128, "steps": 3000, "warmup": 200,
+        "save_every": 1000, "sample_steps": 50, "columns": 10, "lr": 5e-4}  # fmt: skip
 FULL = {"size": "full", "image_size": 32, "batch_size": 128, "steps": 20000, "warmup": 1000,
         "save_every": 2000, "sample_steps": 50, "columns": 10, "lr": 2e-4}  # fmt: skip
+PRESETS = {"quick": QUICK, "demo": DEMO, "full": FULL}
 # the options that make a checkpoint's tensors: a checkpoint from other values cannot load
 CONFIG_KEYS = ("model", "size", "image_size", "channels", "num_classes", "schedule",
                "prediction")  # fmt: skip
@@ -60,13 +65,22 @@ class CheckpointError(RuntimeError):
 # --- options ----------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, gpu: bool | None = False) -> argparse.Namespace:
+    """The options, with the preset's defaults filled in for a machine with or without a
+    GPU (``gpu=None``: left for ``apply_preset``, once the backend is known)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
     add("--model", choices=("unet", "dit"), default="unet")
-    add("--size", choices=("full", "tiny"), help="model size (default full; tiny with --quick)")
+    add("--size", choices=("full", "small", "tiny"), help="model size (default: the preset's)")
+    add(
+        "--preset",
+        choices=tuple(PRESETS),
+        help="defaults for every option not given: demo (the default on a GPU: a few minutes), "
+        "quick (the default without one: a tiny run of about a minute), full (the paper's "
+        "model, 20k steps)",
+    )
     add("--data", type=Path, help="a folder with one subfolder of images per class")
     add("--image-size", type=int, help="side of the square images (default 32)")
     add("--channels", type=int, choices=(1, 3), default=1, help="--data: grayscale or RGB")
@@ -82,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--cfg-dropout", type=float, default=0.1, help="label dropout for guidance")
     add("--bf16", action="store_true", help="forward pass under bfloat16 autocast")
     add("--checkpoint-blocks", action="store_true", help="recompute blocks in the backward")
-    add("--out", type=Path, help="run folder (default runs/diffusion, runs/diffusion-quick)")
+    add("--out", type=Path, help="run folder (default runs/diffusion-<preset>)")
     add("--save-every", type=int)
     add("--resume", action="store_true", help="continue from the last checkpoint in --out")
     add("--overwrite", action="store_true", help="start afresh in an --out with checkpoints")
@@ -98,12 +112,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--columns", type=int, help="samples per class in samples.png")
     add("--seed", type=int, default=0)
     add("--reference", action="store_true", help="run on the reference backend")
-    add("--quick", action="store_true", help="a tiny run of about a minute (replaces one in --out)")
+    add("--quick", action="store_true", help="--preset quick (replaces a run in --out)")
     add("--no-progress", action="store_true", help="no progress bar")
     options = parser.parse_args(argv)
-    if options.out is None:
-        options.out = Path("runs/diffusion-quick" if options.quick else "runs/diffusion")
-    for key, value in (QUICK if options.quick else FULL).items():
+    return options if gpu is None else apply_preset(options, gpu)
+
+
+def apply_preset(options: argparse.Namespace, gpu: bool) -> argparse.Namespace:
+    """Fill every option not given from the preset (demo on a GPU, quick without one)."""
+    if options.quick:
+        options.preset = "quick"
+    options.preset = options.preset or ("demo" if gpu else "quick")
+    options.scratch = options.out is None  # the default folder: a new run replaces the last
+    if options.scratch:
+        options.out = Path(f"runs/diffusion-{options.preset}")
+    for key, value in PRESETS[options.preset].items():
         if getattr(options, key) is None:
             setattr(options, key, value)
     return options
@@ -358,7 +381,7 @@ def train(options, builder=None) -> dict:
         trainer.load(path, loader)
         print(f"resumed from {path} at step {trainer.step}")
     else:
-        clear_checkpoints(options.out, options.overwrite or options.quick)
+        clear_checkpoints(options.out, options.overwrite or options.quick or options.scratch)
     trainer.prepare()
     try:
         timing = run_steps(trainer, loader, options)
@@ -500,7 +523,7 @@ def sample_only(options, builder=None) -> dict:
 def main(argv=None, builder=None):
     """Parse ``argv``, choose the backend (the GPU where there is one) and run. ``builder``
     replaces ``models.build_model`` (the tests pass a small stand-in)."""
-    options = parse_args(argv)
+    options = parse_args(argv, gpu=None)
     from flame.runtime.device import gpu_available, gpu_unavailable_reason
 
     backend = "cuda"
@@ -509,6 +532,7 @@ def main(argv=None, builder=None):
     elif not gpu_available():
         print(f"no GPU ({gpu_unavailable_reason()}): running on the reference backend")
         backend = "reference"
+    apply_preset(options, backend == "cuda")
     with fl.backend(backend):
         if options.sample:
             return sample_only(options, builder)
