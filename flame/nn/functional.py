@@ -9,10 +9,9 @@ from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
 from flame.indexing import embedding, one_hot
-from flame.ir.infer import SizeValue
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
-from flame.views import channels_innermost, narrow, permute, reshape
+from flame.views import channels_innermost, reshape
 
 __all__ = [
     "cross_entropy", "dropout", "embedding", "gelu", "one_hot", "pad", "group_norm",
@@ -114,7 +113,21 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
             )
     per_group = (num_groups, channels // num_groups)
     if channels_innermost(x):
-        return _group_norm_channels_last(x, per_group, weight, bias, eps)
+        # channels innermost in memory (a channels-last conv's result): a group's channels are
+        # short runs at every position, and the [N, G, C/G, S] walk would read them so. Viewed
+        # as [N, G, C/G * S], which is no strided view of that memory, the input is copied to
+        # the group-major order first and the rows then read whole (issue 21's notes measure
+        # both; a kernel that reads channels-last groups coalesced is still to come)
+        grouped = reshape(x, (batch, num_groups, -1))
+        centered = grouped - R.mean(grouped, 2, keepdim=True)
+        variance = R.mean(centered * centered, 2, keepdim=True)
+        result = reshape(centered * (variance + eps).rsqrt(), x.shape)
+        affine = (channels,) + (1,) * (x.ndim - 2)
+        if weight is not None:
+            result = result * reshape(weight, affine)
+        if bias is not None:
+            result = result + reshape(bias, affine)
+        return result
     grouped = reshape(x, (batch, *per_group, -1))
     centered = grouped - R.mean(grouped, (2, 3), keepdim=True)
     variance = R.mean(centered * centered, (2, 3), keepdim=True)
@@ -124,35 +137,6 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
     if bias is not None:
         result = result + reshape(bias, (*per_group, 1))
     return reshape(result, x.shape)
-
-
-def _group_norm_channels_last(x, per_group, weight, bias, eps: float) -> Tensor:
-    """Channels innermost in memory ([N, *S, C]): a group's channels are short runs at every
-    position, so its statistics are summed over the positions first, one thread a channel
-    reading whole rows of channels (coalesced), in one pass: each channel's values shifted by
-    its first one (sums of d and d*d, d = x - x[first], lose nothing to cancellation as plain
-    sums of x and x*x would), then combined over the group's channels in float32. The
-    normalisation runs on [N, S, G, C/G], contiguous, and hands back a permuted view, so the
-    next channels-last convolution reads it as it is: two reads of x and one write."""
-    order = (0, *range(2, x.ndim), 1)
-    rows = reshape(permute(x, order), (x.shape[0], -1, *per_group))  # [N, S, G, C/G]
-    values = rows.float()
-    shift = narrow(values, 1, 0, 1).detach()  # the statistics do not depend on it
-    deviation = values - shift
-    inverse = SizeValue(1.0 / rows.shape[1], "1/n[1]")
-    first = R.sum(deviation, 1, keepdim=True) * inverse  # per channel: E[d]
-    second = R.sum(deviation * deviation, 1, keepdim=True) * inverse  # E[d*d]
-    channel_mean = shift + first
-    mean = R.mean(channel_mean, 3, keepdim=True)  # equal counts: the mean of the channels'
-    spread = channel_mean - mean
-    variance = R.mean(second - first * first + spread * spread, 3, keepdim=True)
-    result = ((values - mean) * (variance + eps).rsqrt()).to(x.dtype)
-    if weight is not None:
-        result = result * reshape(weight, per_group)
-    if bias is not None:
-        result = result + reshape(bias, per_group)
-    back = (0, x.ndim - 1, *range(1, x.ndim - 1))
-    return permute(reshape(result, (x.shape[0], *x.shape[2:], x.shape[1])), back)
 
 
 def cross_entropy(

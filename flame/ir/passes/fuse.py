@@ -248,7 +248,9 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
         if anchor is not None and id(anchor) in materialized:
             home = _bucket(grouping, anchor)
             key = home[1] if home[0] == "reduce" else (node.shape, ())
-            if node.shape == key[0] or node.shape in scalar_shapes(key):
+            fits = node.shape == key[0] or node.shape in scalar_shapes(key)
+            # a reduction joins only a reduce kernel: an elementwise one cannot compute it
+            if fits and (home[0] == "reduce" or get_op(node.op).kind != "reduce"):
                 bucket = home
         bucket_of[id(node)] = bucket
         _depth(node, materialized, bucket_of, depths, dependencies)
