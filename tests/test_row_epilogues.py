@@ -102,3 +102,17 @@ def test_group_norm_backward_reads_the_data_twice(hw, cuda_backend):
     dx, dw, db = back(dy)
     _, kernels = planned(dx, dw, db)
     assert [g.kind for g in kernels] == ["reduce", "reduce"], [g.kind for g in kernels]
+
+
+@pytest.mark.gpu
+def test_reshape_of_a_strided_input_reads_a_copy(cuda_backend):
+    """A channels-last tensor from PyTorch (DLPack keeps its strides) viewed in an order no
+    strides express: reshaped and group-normalised, it is read through a copy."""
+    torch = pytest.importorskip("torch", reason="PyTorch makes the channels-last input")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA here: no channels-last tensor to share")
+    x = torch.randn(2, 32, 5, 5, device="cuda").to(memory_format=torch.channels_last)
+    ours = fl.from_dlpack(x)
+    np.testing.assert_array_equal(ours.reshape(2, -1).numpy(), x.reshape(2, -1).cpu().numpy())
+    want = torch.nn.functional.group_norm(x, 8).cpu().numpy()
+    np.testing.assert_allclose(F.group_norm(ours, 8).numpy(), want, rtol=1e-4, atol=1e-5)

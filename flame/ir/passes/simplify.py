@@ -20,7 +20,7 @@ from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import with_inputs
-from flame.ir.views import resolve
+from flame.ir.views import MOVEMENT_OPS, resolve
 
 
 def constant_value(node: Node):
@@ -178,10 +178,31 @@ def _identity_movement(node: Node, keep) -> Node | None:
         inside = _slice_inside_pad(node, node.inputs[0])
         if inside is not None:
             return inside
+    if node.op == "reshape" and node.inputs[0].op != "copy":
+        copied = _copied_input(node)
+        if copied is not None:
+            return copied
     if node.op in MOVEMENT:
         pushed = _movement(node.op, node.attrs, node.inputs[0], node.site, keep)
         return None if pushed is node or _same(pushed, node) else pushed
     return None
+
+
+def _copied_input(node: Node) -> Node | None:
+    """A reshape of a realized input's memory that no strides can express (a channels-last
+    tensor from DLPack viewed as [N, G, C/G * S]) reads a copy: kernels read inputs only
+    through strided views, and a computed value would be written out by the fusion pass
+    instead (fuse.py), but an input is no value a kernel computes."""
+    resolved = resolve(node, own_view, lambda movement: True)
+    if resolved is not None:
+        return None
+    base = node.inputs[0]
+    while base.op in MOVEMENT_OPS and base.buffer is None:
+        base = base.inputs[0]
+    if not is_input(base):
+        return None
+    copy = make_node("copy", (node.inputs[0],), {}, node.site)
+    return make_node("reshape", (copy,), dict(node.attrs), node.site)
 
 
 def _slice_inside_pad(node: Node, pad: Node) -> Node | None:
