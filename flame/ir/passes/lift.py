@@ -21,7 +21,7 @@ from flame.ir.infer import make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.library_views import own_view
-from flame.ir.passes.rewrite import with_inputs
+from flame.ir.passes.rewrite import rewrite
 from flame.ir.views import resolve
 
 
@@ -29,14 +29,7 @@ def lift_row_epilogues(graph: Graph) -> Graph:
     rows = {node.inputs[0].shape for node in graph.nodes if get_op(node.op).kind == "reduce"}
     if not rows:
         return graph
-    mapped: dict[int, Node] = {}
-    for node in graph.nodes:
-        if is_input(node):
-            mapped[id(node)] = node
-            continue
-        rebuilt = with_inputs(node, tuple(mapped[id(child)] for child in node.inputs))
-        mapped[id(node)] = _lifted(rebuilt, rows) or rebuilt
-    return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
+    return rewrite(graph, lambda node: _lifted(node, rows) or node)
 
 
 def _row_value(node: Node, rows) -> tuple[Node, list[Node]] | None:
