@@ -246,7 +246,7 @@ class _ReduceWriter(RowLoads):
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
         cached = cache_class(items) if self.forced is None else self.forced
         fits = cached * self.lanes * held <= 96 and (self.threads <= 512 or self.forced)
-        if walkable and cached and fits:
+        if walkable and cached and fits and held:  # a class only where something is held
             self.items = cached
         # strip sums: every thread owns the same columns in every row of its strip
         self.loop_items = cache_class(items, limit=None) if self.columns else self.items

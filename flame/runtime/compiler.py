@@ -69,6 +69,7 @@ class CacheStats(Record):
     disk_hits: int = 0
     compiles: int = 0
     compile_seconds: float = 0.0
+    background: int = 0  # kernels compiled or loaded ahead of need (other size classes)
     events: list = field(default_factory=list)  # (kernel name, "memory"|"disk"|"compiled", seconds)
 
 
@@ -106,16 +107,21 @@ class KernelCache:
         return DiskCache.key(identity, arch, nvrtc_version(), " ".join(OPTIONS), __version__)
 
     def cubin(
-        self, source, name: str, code_identity: str | None = None, spec=None
-    ) -> tuple[str, bytes]:
+        self, source, name: str, code_identity: str | None = None, spec=None,
+        background: bool = False,
+    ) -> tuple[str, bytes]:  # fmt: skip
         """The cubin for ``source`` (a string, or a function that renders it only when it
         must be compiled); ``code_identity`` keys it without rendering; ``spec`` (the
-        KernelSpec) explains a load that is not a memory hit (``kernel_loads``)."""
+        KernelSpec) explains a load that is not a memory hit (``kernel_loads``).
+        ``background``: work ahead of need (flame/runtime/siblings.py), counted apart in
+        ``stats.background`` so a plan's own compiles stay countable."""
         key = self.key(code_identity if code_identity is not None else self._text(source))
         with self._lock:
             cached = self._cubins.get(key)
-            if cached is not None:
+            if cached is not None and not background:
                 self.stats.memory_hits += 1
+        if cached is not None and background:
+            return key, cached
         if cached is not None:
             if events.active():
                 events.emit(
@@ -138,6 +144,9 @@ class KernelCache:
         reason = self._explain(spec, name, origin) if spec is not None else ""
         with self._lock:
             self._cubins[key] = data
+            if background:
+                self.stats.background += 1
+                return key, data
             if origin == "disk":
                 self.stats.disk_hits += 1
             else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 
 import numpy as np
@@ -214,9 +215,16 @@ def _param_list(codes: str, values: tuple, name_of) -> str:
     """The packed parameters as Python expressions: a buffer's address (``name_of(slot)``
     names the array in the slot), a scalar's value."""
     return ", ".join(
-        f"{name_of(value)}.data.ptr" if code == "Q" else str(value)
+        f"{name_of(value)}.data.ptr" if code == "Q" else _number(value)
         for code, value in zip(codes, values)
     )
+
+
+def _number(value) -> str:
+    """A scalar as Python source: ``repr`` round-trips a float; inf and NaN need spelling."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({repr(value)!r})"
+    return repr(value)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -115,6 +115,8 @@ class MultiTensorKernel:
         for arg in low.spec.params:
             if arg.kind == "in":
                 arguments.append(shared[id(low.shared[arg.operand])])
+            elif arg.kind == "value":  # a constant derived from sizes: a float argument
+                arguments.append((np.float64 if arg.ctype == "double" else np.float32)(arg.value))
             else:
                 scalar = np.int64 if wide else np.int32
                 arguments.append(scalar(arg.value))

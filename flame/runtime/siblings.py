@@ -16,8 +16,16 @@ import functools
 import os
 import queue
 import threading
+import weakref
 
 _MAX_KERNELS = 512  # per process: a bound on background work, never on correctness
+_running: weakref.WeakSet = weakref.WeakSet()  # compilers to stop at exit
+
+
+@atexit.register
+def _stop_all() -> None:
+    for compiler in list(_running):
+        compiler.stop()
 
 
 class SiblingCompiler:
@@ -33,27 +41,38 @@ class SiblingCompiler:
         """Queue the row kernels of a new plan: (group, lowered) pairs."""
         if os.environ.get("FLAME_SIBLING_CLASSES", "1") == "0":
             return
+        fresh = []
         with self._lock:
-            fresh = [(g, low) for g, low in groups_and_lowered if low.spec.name not in self._seen]
-            if not fresh or len(self._seen) >= _MAX_KERNELS:
+            if self._stop.is_set():
                 return
-            self._seen.update(low.spec.name for _, low in fresh)
-            if self._thread is None:
+            for group, lowered in groups_and_lowered:
+                if lowered.spec.name not in self._seen and len(self._seen) < _MAX_KERNELS:
+                    self._seen.add(lowered.spec.name)
+                    fresh.append((group, lowered))
+            if fresh and self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="flame-size-classes", daemon=True
                 )
                 self._thread.start()
-                atexit.register(self.stop)
-        for item in fresh:
-            self._queue.put(item)
+                _running.add(self)
+            for item in fresh:
+                self._queue.put(item)
 
     def drain(self) -> None:
-        """Wait until the queued kernels are compiled."""
+        """Wait until the queued kernels are compiled (at once after ``stop``)."""
         self._queue.join()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._queue.put(None)
+        """Stop after the compile in flight; queued work is dropped."""
+        with self._lock:
+            self._stop.set()
+            while True:  # what the thread will not reach counts as done
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._queue.task_done()
+            self._queue.put(None)
         if self._thread is not None:
             self._thread.join(5.0)
 
@@ -71,7 +90,10 @@ class SiblingCompiler:
                 for spec in sibling_specs(group, _layout_of, lowered):
                     if self._stop.is_set():
                         return
-                    self.kernels.cubin(functools.partial(render, spec), spec.name, spec_key(spec))
+                    self.kernels.cubin(
+                        functools.partial(render, spec), spec.name, spec_key(spec),
+                        background=True,
+                    )  # fmt: skip
             except Exception:  # noqa: BLE001, S112  best effort: a plan compiles what it needs
                 continue
             finally:

@@ -37,6 +37,7 @@ from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
     row_key,
+    row_shapes,
     row_view_fits,
     scalar_shapes,
     written_in_row_order,
@@ -56,11 +57,6 @@ def handed_out(graph: Graph) -> dict[int, Node]:
         id(node): node for node in graph.outputs
         if not is_input(node) and id(node) not in read and output_view(node, rows) is not None
     }  # fmt: skip
-
-
-def row_shapes(graph: Graph) -> frozenset:
-    """The shapes the graph's reductions walk (their inputs')."""
-    return frozenset(n.inputs[0].shape for n in graph.nodes if get_op(n.op).kind == "reduce")
 
 
 def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:

@@ -22,11 +22,12 @@ from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import rewrite
+from flame.ir.passes.row_keys import row_shapes
 from flame.ir.views import resolve
 
 
 def lift_row_epilogues(graph: Graph) -> Graph:
-    rows = {node.inputs[0].shape for node in graph.nodes if get_op(node.op).kind == "reduce"}
+    rows = row_shapes(graph)
     if not rows:
         return graph
     return rewrite(graph, lambda node: _lifted(node, rows) or node)

@@ -16,6 +16,11 @@ from flame.ir.shapes import prod
 from flame.ir.views import View, expand_view, resolve
 
 
+def row_shapes(graph) -> frozenset:
+    """The shapes the graph's reductions walk (their inputs')."""
+    return frozenset(n.inputs[0].shape for n in graph.nodes if get_op(n.op).kind == "reduce")
+
+
 def row_key(node: Node) -> tuple:
     """(input shape, axes) of a reduction."""
     return node.inputs[0].shape, node.attr("axes")

@@ -20,6 +20,7 @@ from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import with_inputs
+from flame.ir.passes.row_keys import row_shapes
 from flame.ir.views import MOVEMENT_OPS, resolve
 
 
@@ -248,7 +249,7 @@ def _same(first: Node, second: Node) -> bool:
 
 
 def simplify(graph: Graph) -> Graph:
-    rows = {n.inputs[0].shape for n in graph.nodes if get_op(n.op).kind == "reduce"}
+    rows = row_shapes(graph)
     # values that will be in memory whatever else happens: the outputs, and (added as they
     # are rewritten) the values library calls read, directly or through views
     keep = {id(node) for node in graph.outputs}

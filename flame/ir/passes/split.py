@@ -21,6 +21,7 @@ from flame.ir.infer import make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.rewrite import rewrite
+from flame.ir.passes.row_keys import row_shapes
 from flame.ir.shapes import prod
 
 FEW_OUTPUTS = 256
@@ -79,7 +80,7 @@ def _broadcast_back(graph: Graph) -> frozenset:
     """Row keys (input shape, axes) of reductions whose result is broadcast back over their
     own input's shape, directly or through per-row arithmetic (``x - x.max(-1, keepdim)``,
     a group norm's mean and variance)."""
-    sources = {node.inputs[0].shape for node in graph.nodes if get_op(node.op).kind == "reduce"}
+    sources = row_shapes(graph)
     found = set()
     for node in graph.nodes:
         if node.op != "expand" or node.shape not in sources:
