@@ -174,3 +174,12 @@ def test_sibling_compiler_fills_the_kernel_cache(cuda_backend, nvrtc, tmp_path):
     compiler.stop()
     compiler.submit([(group, lowered)])  # after stop: nothing queued, drain returns
     compiler.drain()
+
+
+def test_an_element_picked_by_index_is_an_argument(cuda_backend):
+    """``x * alphas[t]`` for every t of a sampler's loop, t = 0 included: one kernel (the
+    element's offset is a kernel argument, never a literal)."""
+    alphas = fl.tensor(np.linspace(0.1, 0.9, 10).astype(np.float32))
+    x = fl.tensor(np.ones((4, 8), np.float32))
+    keys = {spec_key(spec) for t in (0, 3, 9) for spec in specs_of(x * alphas[t] + 1.0)}
+    assert len(keys) == 1

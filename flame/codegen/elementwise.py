@@ -196,9 +196,10 @@ class _Writer:
                 f"{generated_expression(read.base, tail_index, self.helpers)};"
             )
         elif _is_scalar(read):
-            at = f"{read.param}[{read.param}_offset]" if read.offset else f"{read.param}[0]"
-            if read.offset:  # an element picked by an index (alphas[t]): an argument
-                self.params.append(Arg("size", self.index, f"{read.param}_offset", read.offset))
+            # an element picked by an index (alphas[t]): its offset is an argument, 0 included,
+            # so every t runs one kernel
+            at = f"{read.param}[{read.param}_offset]"
+            self.params.append(Arg("size", self.index, f"{read.param}_offset", read.offset))
             self.setup.append(f"const {ctype} {name} = {load(read.base.dtype, at)};")
         elif flat and self.vec > 1:
             vector = f"FlameVec<{read.base.dtype.c_storage}, {self.vec}>"
