@@ -47,24 +47,23 @@ from flame.ir.views import MOVEMENT_OPS, View, resolve
 MAX_REDUCE_OUTPUTS = 32  # values one reduce kernel writes (its shared-memory scratch, 1 KiB each)
 
 
-def handed_out(graph: Graph) -> dict[int, Node]:
-    """Graph outputs handed out as views of a library call's result (``output_view``): only
-    those no other value of the graph reads, since the plan's kernels take every value they
-    read from an earlier kernel to be laid out contiguously."""
+def handed_out(graph: Graph) -> dict[int, tuple[Node, Node]]:
+    """Graph outputs handed out as views (``output_view``: of a library call's result or of a
+    row kernel's value), as ``id -> (output, the value it views)``: only those no other value
+    of the graph reads, since the plan's kernels take every value they read from an earlier
+    kernel to be laid out contiguously."""
     read = {id(child) for node in graph.nodes for child in node.inputs}
     rows = row_shapes(graph)
-    return {
-        id(node): node for node in graph.outputs
-        if not is_input(node) and id(node) not in read and output_view(node, rows) is not None
-    }  # fmt: skip
+    candidates = [node for node in graph.outputs if not is_input(node) and id(node) not in read]
+    bases = [(node, output_view(node, rows)) for node in candidates]
+    return {id(node): (node, base) for node, base in bases if base is not None}
 
 
-def _materialized(graph: Graph) -> tuple[dict[int, Node], dict[int, str]]:
+def _materialized(graph: Graph, views) -> tuple[dict[int, Node], dict[int, str]]:
+    """``views``: ``handed_out(graph)``."""
     chosen = {id(node): node for node in graph.outputs if not is_input(node)}
     reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
-    rows = row_shapes(graph)
-    for node in handed_out(graph).values():
-        base = output_view(node, rows)
+    for node, base in views.values():
         reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
         if get_op(base.op).kind != "library" and id(base) not in chosen:
             chosen[id(base)] = base  # written by its row kernel, handed out reshaped
@@ -221,7 +220,7 @@ class _Grouping:
                     self.extra[id(base)] = (base, "value read through a reshaping view")
 
 
-def _form_groups(graph: Graph, materialized, reasons, homes):
+def _form_groups(graph: Graph, materialized, reasons, homes, views):
     grouping = _Grouping(graph, materialized)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     buckets: dict[tuple, list[Node]] = {}
@@ -230,11 +229,10 @@ def _form_groups(graph: Graph, materialized, reasons, homes):
     dependencies: dict[int, list[Node]] = {}
     order: list[Node] = []
     library = []
-    views = handed_out(graph)  # outputs that are views of a library result: calls of no work
     for node in graph.nodes:
         if id(node) not in materialized:
             continue
-        if get_op(node.op).kind == "library" or id(node) in views:
+        if get_op(node.op).kind == "library" or id(node) in views:  # views: calls of no work
             bucket_of[id(node)] = ("library", id(node))
             _depth(node, materialized, bucket_of, depths, dependencies)
             library.append(Group("library", (node,), (node,), (reasons[id(node)],)))
@@ -436,7 +434,8 @@ def fuse(graph: Graph, saved=()) -> Graph:
     """``saved``: ``(node, reason, anchor)`` triples the save-or-recompute pass chose to
     write (remat.py); ``anchor``, a value the kernel that computes it anyway writes: the
     saved value joins that kernel when it fits its shape or rows (None: no anchor)."""
-    materialized, reasons = _materialized(graph)
+    views = handed_out(graph)
+    materialized, reasons = _materialized(graph, views)
     homes = {}
     for node, reason, anchor in saved:
         if id(node) not in materialized:
@@ -444,7 +443,7 @@ def fuse(graph: Graph, saved=()) -> Graph:
             if anchor is not None:
                 homes[id(node)] = anchor
     for _ in range(len(graph.nodes) + 1):
-        groups, extra = _form_groups(graph, materialized, reasons, homes)
+        groups, extra = _form_groups(graph, materialized, reasons, homes, views)
         if not extra:
             break
         for key, (node, reason) in extra.items():

@@ -41,18 +41,12 @@ def output_view(node: Node, rows=frozenset()) -> Node | None:
     [N, C, H, W], a channels-last one's [N, S, G, C/G] as a permuted view). Packed results
     (the attention op's O and statistics, its backward's dQ, dK, dV) reach the user this
     way."""
-    resolved = handed_view(node, rows)
-    return None if resolved is None else resolved[0]
-
-
-def handed_view(node: Node, rows=frozenset()):
-    """``(base, view)`` of an output ``output_view`` hands out, else None."""
     resolved = library_view(node, computed=bool(rows))
     if resolved is None or is_input(resolved[0]) or 0 in resolved[1].strides:
         return None
     base, view = resolved
     if get_op(base.op).kind == "library":
-        return resolved
+        return base
     if base.shape in rows and get_op(base.op).kind == "elementwise" and not view.offset:
-        return resolved  # every element once (no broadcast): the kernel's buffer, viewed
+        return base  # every element once (no broadcast): the kernel's buffer, viewed
     return None
