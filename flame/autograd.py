@@ -53,6 +53,8 @@ def _at_user_line(function):
 class GradInfo:
     owner: object = None  # weakref to the Tensor that accumulates the gradient
     hooks: list = field(default_factory=list)
+    # ``hook(tensor)`` after ``backward`` wrote ``tensor.grad`` (they change no gradient)
+    post_accumulate_hooks: list = field(default_factory=list)
 
 
 def is_grad_enabled() -> bool:
@@ -364,6 +366,9 @@ def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = Fals
             g = detach(g)
         note_grad_assignment(owner)  # flame.compile: the new .grad is an output of the program
         owner.grad = g if owner.grad is None else owner.grad + g
+        for hook in list(node.grad_info.post_accumulate_hooks):
+            if hook(owner) is not None:
+                raise GradError("Tensor post accumulate grad hooks should return None.")
 
 
 def register_hook(self: Tensor, hook):
@@ -372,6 +377,25 @@ def register_hook(self: Tensor, hook):
     info = _info(self)
     info.hooks.append(hook)
     return SimpleNamespace(remove=lambda: info.hooks.remove(hook) if hook in info.hooks else None)
+
+
+def register_post_accumulate_grad_hook(self: Tensor, hook):
+    """``hook(tensor) -> None`` after ``backward()`` has accumulated this leaf's gradient into
+    ``tensor.grad`` (PyTorch's name). ``backward`` builds the whole backward graph first and
+    then writes every ``.grad``, so the hooks of one ``backward`` run one after the other at
+    its end; the gradients are lazy there (reading one runs the backward)."""
+    info = self.node.grad_info
+    owner = None if info is None or info.owner is None else info.owner()
+    if owner is not self:
+        if not self.requires_grad:
+            raise GradError(
+                "register_post_accumulate_grad_hook: cannot register a hook on a tensor that "
+                "doesn't require gradient"
+            )
+        raise GradError("post accumulate grad hooks cannot be registered on non-leaf tensors")
+    hooks = info.post_accumulate_hooks
+    hooks.append(hook)
+    return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
 
 
 def detach(self: Tensor) -> Tensor:
@@ -453,5 +477,6 @@ Tensor.requires_grad_ = requires_grad_
 Tensor.requires_grad = property(_requires_grad, lambda self, value: requires_grad_(self, value))
 Tensor.backward = backward
 Tensor.register_hook = register_hook
+Tensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
 Tensor.detach = detach
 Tensor.zero_grad = zero_grad
