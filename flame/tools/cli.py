@@ -1,5 +1,5 @@
 """The `flame` command: `flame --version`, `flame info`, `flame cache list|size|clear`,
-`flame dump`, `flame check`.
+`flame dump`, `flame check`, `flame run`.
 
 Everything here works on a machine without a GPU, and `--version` without CuPy: heavy or
 optional modules are imported inside the command that needs them, never at the top.
@@ -389,7 +389,30 @@ def _run_check(arguments: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_info, _add_cache, _add_dump, _add_check]
+# -- flame run --------------------------------------------------------------------------------
+
+
+def _add_run(subcommands: argparse._SubParsersAction) -> None:
+    # The launcher's options live with it (flame/distributed/launch.py, stdlib only), so that
+    # `python -m flame.distributed.launch` takes the same ones.
+    from flame.distributed import launch
+
+    parser = subcommands.add_parser(
+        "run",
+        help="start N processes of a script for data-parallel training (as torchrun)",
+        description=launch.DESCRIPTION,
+    )
+    launch.add_arguments(parser)
+    parser.set_defaults(run=_run_run)
+
+
+def _run_run(arguments: argparse.Namespace) -> int:
+    from flame.distributed import launch
+
+    return launch.run(arguments)
+
+
+_SUBCOMMANDS = [_add_info, _add_cache, _add_dump, _add_check, _add_run]
 
 
 if __name__ == "__main__":

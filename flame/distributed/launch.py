@@ -1,0 +1,546 @@
+"""``flame run``: start the processes of a data-parallel job, as ``torchrun`` does.
+
+    flame run --nproc-per-node 2 train.py --lr 3e-4
+    flame run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node gpu train.py
+    python -m flame.distributed.launch --nproc-per-node 2 train.py      # the same launcher
+
+Each rank is ``python -u SCRIPT ARGS`` (or ``python -u -m MODULE ARGS``) with RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR and MASTER_PORT in its
+environment, which is all ``flame.distributed.init_process_group`` reads. The launcher does not
+choose GPUs: every rank sees the same devices and picks its own from LOCAL_RANK (as PyTorch
+scripts do with ``torch.cuda.set_device(local_rank)``); ``--bind-gpus`` instead narrows each
+rank's CUDA_VISIBLE_DEVICES to its one GPU.
+
+Supervision: every rank runs in its own session (process group), its stdout and stderr lines
+are copied to the launcher's with a ``[rankN]: `` prefix, and the launcher waits. The first
+rank to exit non-zero or die of a signal stops the job: every rank's group gets SIGTERM, the
+ranks still alive after the grace period get SIGKILL, and the launcher reports the failed rank,
+its exit code or signal and the last lines of its error output, then exits with that rank's
+code (128 + N for signal N). SIGINT, SIGTERM or SIGHUP to the launcher are passed on to every
+rank (SIGINT as SIGINT, so Python scripts see KeyboardInterrupt; the others as SIGTERM), with
+SIGKILL after the grace period or at a second signal. POSIX only. Only the launcher's stdlib
+is needed here: the ranks import FLAME, not this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_MULTI_NODE_PORT = 29500  # torchrun's default when several nodes must agree on one
+DEFAULT_GRACE_PERIOD_S = 5.0
+TAIL_LINES = 20  # lines of the failed rank's stderr in the report
+
+DESCRIPTION = (
+    "Start NPROC processes of `python SCRIPT ARGS` on this node (torchrun's way) with RANK, "
+    "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set, "
+    "for flame.distributed.init_process_group. Each rank's output lines are prefixed with "
+    "[rankN]:. When one rank fails, the others get SIGTERM, then SIGKILL after the grace "
+    "period, and the failed rank, its exit code and its last error lines are reported. Device "
+    "choice is left to each rank (LOCAL_RANK); CUDA_VISIBLE_DEVICES is not changed unless "
+    "--bind-gpus is given. Launcher options go before SCRIPT; everything after it is the "
+    "script's."
+)
+
+
+class LaunchError(Exception):
+    """Bad options or a job that cannot start; reported as ``flame run: <message>``, exit 2."""
+
+
+@dataclass
+class LaunchConfig:
+    command: list[str]  # what each rank runs, without the interpreter for Python scripts
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    grace_period: float = DEFAULT_GRACE_PERIOD_S
+    prefix: bool = True
+    bind_gpus: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+# --- options ----------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `flame run` and of `python -m flame.distributed.launch`."""
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        metavar="N",
+        help="processes on this node: a number, or `gpu` for one per visible GPU (the count "
+        "CUDA reports through CuPy, which honours CUDA_VISIBLE_DEVICES; without CuPy, the "
+        "lines of `nvidia-smi -L`, at most as many as CUDA_VISIBLE_DEVICES lists; no GPU is an "
+        "error) (default: 1)",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default: 1)")
+    parser.add_argument(
+        "--node-rank", "--node_rank", type=int, default=0, help="this node's rank (default: 0)"
+    )
+    parser.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        metavar="ADDR",
+        help="address of rank 0's node, where its store listens (default: 127.0.0.1 on one "
+        "node; required with --nnodes > 1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"port of rank 0's store (default: a free port on one node, "
+        f"{DEFAULT_MULTI_NODE_PORT} with --nnodes > 1)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD_S,
+        metavar="SECONDS",
+        help="how long stopped ranks get between SIGTERM and SIGKILL "
+        f"(default: {DEFAULT_GRACE_PERIOD_S:g})",
+    )
+    parser.add_argument(
+        "--no-prefix",
+        action="store_true",
+        help="pass each rank's output lines through without the [rankN]: prefix",
+    )
+    parser.add_argument(
+        "--bind-gpus",
+        action="store_true",
+        help="give each rank only its own GPU: CUDA_VISIBLE_DEVICES set to the LOCAL_RANK-th "
+        "visible device, so the rank sees it as device 0",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name, run as `python -m SCRIPT`",
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script each rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def config_from_arguments(arguments: argparse.Namespace) -> LaunchConfig:
+    """Check the options and fill in the defaults; raises ``LaunchError`` naming the option."""
+    if arguments.nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {arguments.nnodes}")
+    if not 0 <= arguments.node_rank < arguments.nnodes:
+        raise LaunchError(
+            f"--node-rank {arguments.node_rank} is outside 0..{arguments.nnodes - 1} "
+            f"(--nnodes {arguments.nnodes})"
+        )
+    if arguments.grace_period < 0:
+        raise LaunchError(f"--grace-period must not be negative, got {arguments.grace_period}")
+    master_addr = arguments.master_addr
+    if master_addr is None:
+        if arguments.nnodes > 1:
+            raise LaunchError(
+                f"--nnodes {arguments.nnodes} needs --master-addr: the address of node 0, "
+                "which every node can reach"
+            )
+        master_addr = "127.0.0.1"
+    port = arguments.master_port
+    if port is None:
+        port = DEFAULT_MULTI_NODE_PORT if arguments.nnodes > 1 else free_port(master_addr)
+    if not 0 < port < 65536:
+        raise LaunchError(f"--master-port {port} is not a port number (1..65535)")
+    return LaunchConfig(
+        command=_command(arguments.script, arguments.args, arguments.module),
+        nproc_per_node=_nproc_per_node(arguments.nproc_per_node),
+        nnodes=arguments.nnodes,
+        node_rank=arguments.node_rank,
+        master_addr=master_addr,
+        master_port=port,
+        grace_period=arguments.grace_period,
+        prefix=not arguments.no_prefix,
+        bind_gpus=arguments.bind_gpus,
+    )
+
+
+def _command(script: str, args: list[str], module: bool) -> list[str]:
+    if args[:1] == ["--"]:  # `flame run -n 2 script.py -- --args` as with `flame dump`
+        args = args[1:]
+    if module:
+        return [sys.executable, "-u", "-m", script, *args]
+    if not os.path.exists(script):
+        raise LaunchError(f"no such script: {script}")
+    if not os.path.isfile(script):
+        raise LaunchError(f"not a file: {script}")
+    return [sys.executable, "-u", script, *args]
+
+
+def _nproc_per_node(value: str) -> int:
+    if value == "gpu":
+        count = visible_gpu_count()
+        if count == 0:
+            raise LaunchError(
+                "--nproc-per-node gpu: no GPU is visible (CUDA reports none, or "
+                "CUDA_VISIBLE_DEVICES is empty); give a number of processes instead"
+            )
+        return count
+    try:
+        count = int(value)
+    except ValueError:
+        raise LaunchError(f"--nproc-per-node must be a number or `gpu`, got {value!r}") from None
+    if count < 1:
+        raise LaunchError(f"--nproc-per-node must be at least 1, got {count}")
+    return count
+
+
+# --- GPUs and ports ---------------------------------------------------------------------------
+def visible_gpu_count() -> int:
+    """How many GPUs a rank started from here would see. CUDA's own count (through CuPy;
+    cudaGetDeviceCount initialises the driver but creates no context, and honours
+    CUDA_VISIBLE_DEVICES) where CuPy works; else ``nvidia-smi -L``'s lines, at most as many as
+    CUDA_VISIBLE_DEVICES lists when it is set; else 0."""
+    count = _cuda_device_count()
+    if count is not None:
+        return count
+    physical = _nvidia_smi_count()
+    if physical is None:
+        return 0
+    visible = _cuda_visible_entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return physical if visible is None else min(physical, len(visible))
+
+
+def _cuda_device_count() -> int | None:
+    try:
+        # The one CuPy call outside flame.runtime: the launcher must not load FLAME's runtime.
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device: CuPy raises its own runtime errors
+        return None
+
+
+def _nvidia_smi_count() -> int | None:
+    program = shutil.which("nvidia-smi")
+    if program is None:
+        return None
+    try:
+        listing = subprocess.run(
+            [program, "-L"], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _cuda_visible_entries(value: str | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES's devices (None when it is unset). CUDA stops at the first entry
+    that is not a device: a negative or malformed index."""
+    if value is None:
+        return None
+    entries = []
+    for entry in value.split(","):
+        entry = entry.strip()
+        is_index = entry.isdigit()
+        is_uuid = entry.startswith(("GPU-", "MIG-"))
+        if not (is_index or is_uuid):
+            break
+        entries.append(entry)
+    return entries
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the kernel's choice). Another process may take it before
+    rank 0 binds it; rank 0 then fails with 'is the port in use' and the job stops."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            return probe.getsockname()[1]
+    except OSError as error:
+        raise LaunchError(f"cannot bind a port on --master-addr {host}: {error}") from None
+
+
+def rank_environment(config: LaunchConfig, local_rank: int, base: dict[str, str]) -> dict:
+    """The environment of local rank ``local_rank``: ``base`` plus torchrun's variables."""
+    environment = dict(base)
+    environment.update(
+        RANK=str(config.node_rank * config.nproc_per_node + local_rank),
+        WORLD_SIZE=str(config.world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        GROUP_RANK=str(config.node_rank),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(config.master_port),
+    )
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+        environment["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks of all-core BLAS thrash
+    if config.bind_gpus:
+        visible = _cuda_visible_entries(base.get("CUDA_VISIBLE_DEVICES"))
+        if visible is not None and local_rank >= len(visible):
+            raise LaunchError(
+                f"--bind-gpus: local rank {local_rank} has no GPU: CUDA_VISIBLE_DEVICES lists "
+                f"{len(visible)} ({base.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        environment["CUDA_VISIBLE_DEVICES"] = (
+            str(local_rank) if visible is None else visible[local_rank]
+        )
+    return environment
+
+
+# --- the job ----------------------------------------------------------------------------------
+@dataclass
+class _Rank:
+    rank: int
+    local_rank: int
+    process: subprocess.Popen
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    readers: list[threading.Thread] = field(default_factory=list)
+    stopped_by: str | None = None  # the launcher's signal that ended it, if any
+
+    def signal_group(self, number: int) -> None:
+        """Signal the rank and everything it started (its session's process group)."""
+        try:
+            os.killpg(self.process.pid, number)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already
+
+
+class _Output:
+    """Copies the ranks' output lines to the launcher's streams, whole lines at a time."""
+
+    def __init__(self, prefix: bool):
+        self.prefix = prefix
+        self.lock = threading.Lock()
+
+    def write(self, stream, line: bytes) -> None:
+        target = getattr(stream, "buffer", None)
+        with self.lock:
+            try:
+                if target is None:
+                    stream.write(line.decode(errors="replace"))
+                else:
+                    target.write(line)
+                stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the launcher's own output was closed: keep supervising
+
+    def copy(self, pipe, stream, rank: _Rank, is_error: bool) -> None:
+        label = f"[rank{rank.rank}]: ".encode() if self.prefix else b""
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            if is_error:
+                rank.tail.append(line.decode(errors="replace").rstrip("\n"))
+            self.write(stream, label + line)
+        pipe.close()
+
+
+def _say(message: str) -> None:
+    print(f"flame run: {message}", file=sys.stderr, flush=True)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (signal {-code})"
+    return f"exit code {code}"
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+class _Job:
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.output = _Output(config.prefix)
+        self.ranks: list[_Rank] = []
+        self.exits: queue.Queue = queue.Queue()  # ranks, in the order their processes end
+        self.signals: list[int] = []  # signals the launcher received, from its handlers
+        self.failed: _Rank | None = None
+        self.stop_signal: int | None = None
+        self.deadline: float | None = None
+        self.killed = False
+        self.interrupted_by: int | None = None
+
+    def start(self) -> None:
+        base = dict(os.environ)
+        environments = [
+            rank_environment(self.config, local, base)
+            for local in range(self.config.nproc_per_node)
+        ]
+        for local_rank, environment in enumerate(environments):
+            process = subprocess.Popen(
+                self.config.command,
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # its own group: stopped with all it started
+            )
+            rank = _Rank(int(environment["RANK"]), local_rank, process)
+            self.ranks.append(rank)
+            for pipe, stream, is_error in (
+                (process.stdout, sys.stdout, False),
+                (process.stderr, sys.stderr, True),
+            ):
+                reader = threading.Thread(
+                    target=self.output.copy, args=(pipe, stream, rank, is_error), daemon=True
+                )
+                reader.start()
+                rank.readers.append(reader)
+            waiter = threading.Thread(target=self._wait, args=(rank,), daemon=True)
+            waiter.start()
+
+    def _wait(self, rank: _Rank) -> None:
+        rank.process.wait()
+        self.exits.put(rank)
+
+    def supervise(self) -> int:
+        running = len(self.ranks)
+        while running:
+            self._handle_signals()
+            if self.deadline is not None and not self.killed and time.monotonic() > self.deadline:
+                self._kill_survivors(f"after the {self.config.grace_period:g} s grace period")
+            try:
+                rank = self.exits.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            running -= 1
+            if rank.process.returncode != 0 and self.stop_signal is None:
+                self.failed = rank
+                _say(
+                    f"rank {rank.rank} failed ({_describe_exit(rank.process.returncode)}); "
+                    f"stopping the other ranks (SIGTERM, then SIGKILL after "
+                    f"{self.config.grace_period:g} s)"
+                )
+                self.stop(signal.SIGTERM)
+        if self.stop_signal is not None:
+            for rank in self.ranks:  # what the ranks started and left behind
+                rank.signal_group(signal.SIGKILL)
+        for rank in self.ranks:
+            for reader in rank.readers:
+                reader.join(timeout=1.0)
+        return self._report()
+
+    def _handle_signals(self) -> None:
+        while self.signals:
+            number = self.signals.pop(0)
+            if self.stop_signal is None:
+                forwarded = signal.SIGINT if number == signal.SIGINT else signal.SIGTERM
+                _say(
+                    f"interrupted ({signal.Signals(number).name}): stopping every rank "
+                    f"({forwarded.name}, then SIGKILL after {self.config.grace_period:g} s)"
+                )
+                self.interrupted_by = number
+                self.stop(forwarded)
+            elif not self.killed:
+                self._kill_survivors("at a second signal")
+
+    def stop(self, number: int) -> None:
+        self.stop_signal = number
+        self.deadline = time.monotonic() + self.config.grace_period
+        for rank in self.ranks:
+            if rank.process.returncode is None:
+                rank.stopped_by = signal.Signals(number).name
+            rank.signal_group(number)
+
+    def _kill_survivors(self, when: str) -> None:
+        self.killed = True
+        survivors = [rank for rank in self.ranks if rank.process.poll() is None]
+        for rank in survivors:
+            rank.stopped_by = f"SIGKILL {when}"
+            rank.signal_group(signal.SIGKILL)
+        if survivors:
+            names = ", ".join(str(rank.rank) for rank in survivors)
+            _say(f"killed rank {names} (SIGKILL) {when}")
+
+    def _report(self) -> int:
+        if self.failed is not None:
+            failed = self.failed
+            code = failed.process.returncode
+            where = f"local rank {failed.local_rank}, pid {failed.process.pid}"
+            _say(f"rank {failed.rank} ({where}) failed first: {_describe_exit(code)}")
+            if failed.tail:
+                _say(f"the last lines of rank {failed.rank}'s error output:")
+                text = "".join(f"[rank{failed.rank}]: {line}\n" for line in failed.tail)
+                print(text, end="", file=sys.stderr, flush=True)
+            else:
+                _say(f"rank {failed.rank} wrote nothing to stderr")
+            self._report_others(failed)
+            return _exit_status(code) or 1
+        if self.stop_signal is not None:
+            self._report_others(None)
+            return 128 + self.interrupted_by if self.interrupted_by else 1
+        return 0
+
+    def _report_others(self, failed: _Rank | None) -> None:
+        for rank in self.ranks:
+            if rank is failed:
+                continue
+            code = rank.process.returncode
+            outcome = _describe_exit(code)
+            if rank.stopped_by is not None:
+                name = rank.stopped_by.split()[0]
+                stopped = code == -signal.Signals[name].value
+                outcome = f"stopped by {rank.stopped_by}" if stopped else outcome
+                outcome += "" if stopped else f" after {rank.stopped_by}"
+            _say(f"rank {rank.rank}: {outcome}")
+
+
+_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job to its end; returns the launcher's exit status (0 when every rank exits 0)."""
+    job = _Job(config)
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        # Installed before the ranks start, so they begin with the default handlers (a
+        # launcher started with SIGINT ignored, as `cmd &` does, still stops them).
+        for number in _HANDLED_SIGNALS:
+            saved[number] = signal.signal(number, lambda number, _: job.signals.append(number))
+    try:
+        try:
+            job.start()
+        except OSError as error:  # the interpreter vanished, out of processes: stop the rest
+            _say(f"cannot start local rank {len(job.ranks)}: {error}")
+            job.stop(signal.SIGTERM)
+        return job.supervise()
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+
+
+def run(arguments: argparse.Namespace) -> int:
+    """``flame run``'s work, from its parsed options."""
+    try:
+        config = config_from_arguments(arguments)
+        return launch(config)
+    except LaunchError as error:
+        _say(str(error))
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flame.distributed.launch", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
