@@ -1,13 +1,21 @@
 """``flame.distributed``: processes that train together, with PyTorch's names.
 
     import flame.distributed as dist
-    dist.init_process_group("gloo")          # RANK WORLD_SIZE MASTER_ADDR MASTER_PORT
+    dist.init_process_group("nccl")          # RANK WORLD_SIZE [LOCAL_RANK] MASTER_ADDR MASTER_PORT
     dist.all_reduce(grad, op=dist.ReduceOp.AVG)   # in place, as PyTorch
 
-What exists: the rendezvous (a TCP store served by rank 0, see ``store.py``) and the ``gloo``
-CPU backend (``gloo.py``): sockets between ranks, collectives on the tensors' values (realized,
-exchanged as bytes, written back with an in-place ``copy_``), on any FLAME backend. What does
-not exist yet (issue 23): the ``nccl`` backend, ``DistributedDataParallel``, the launcher.
+The rendezvous is a TCP store served by rank 0 (``store.py``). Two backends:
+
+* ``nccl`` (``nccl.py``): CUDA tensors; every collective is an IR node (a library op, like a
+  cuBLAS product) whose launch calls NCCL on FLAME's stream, ordered with the kernels around
+  it without a host wait; it sits in plans, ``flame.compile`` programs and CUDA graphs.
+  ``functional.py`` has the same collectives as lazy values;
+* ``gloo`` (``gloo.py``): the CPU backend: sockets between ranks, collectives on the tensors'
+  values (realized, exchanged as bytes, written back with an in-place ``copy_``), on any FLAME
+  backend. It runs the same API on machines without a GPU, for tests.
+
+``async_op=True`` returns a ``Work`` whose ``wait()`` has nothing to wait for: gloo's
+collectives are done when the call returns, NCCL's are ordered on FLAME's stream.
 
 Like PyTorch, the one piece of process-wide state is the default process group, set by
 ``init_process_group`` and cleared by ``destroy_process_group``.
@@ -24,6 +32,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from flame.distributed.gloo import GlooGroup
+from flame.distributed.nccl import NcclGroup, prepare_device
 from flame.distributed.store import DistributedError, DistributedTimeout, TCPStore
 from flame.tensor import Tensor
 
@@ -32,6 +41,7 @@ __all__ = [
     "DistributedTimeout",
     "ReduceOp",
     "TCPStore",
+    "Work",
     "abort",
     "abort_on_error",
     "all_gather",
@@ -39,6 +49,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "destroy_process_group",
+    "get_backend",
     "get_rank",
     "get_world_size",
     "init_process_group",
@@ -58,8 +69,18 @@ class ReduceOp(enum.Enum):
     MIN = "min"
 
 
+class Work:
+    """What a collective called with ``async_op=True`` returns (PyTorch's ``Work``)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True  # gloo: done at the call; nccl: later kernels are queued after it
+
+    def is_success(self) -> bool:
+        return True
+
+
 class _ProcessGroup:
-    def __init__(self, backend: str, store: TCPStore, group: GlooGroup):
+    def __init__(self, backend: str, store: TCPStore, group: GlooGroup | NcclGroup):
         self.backend, self.store, self.group = backend, store, group
 
 
@@ -99,21 +120,20 @@ def init_process_group(
     global _default_group
     if _default_group is not None:
         raise RuntimeError("trying to initialize the default process group twice")
-    if backend == "nccl":
-        raise RuntimeError(
-            "init_process_group: the nccl backend is not built yet (issue 23); use backend='gloo'"
-        )
-    if backend != "gloo":
-        raise ValueError(f"init_process_group: unknown backend {backend!r}; use 'gloo'")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"init_process_group: unknown backend {backend!r}; use 'nccl' or 'gloo'")
     rank = int(_environment("RANK")) if rank is None else int(rank)
     world_size = int(_environment("WORLD_SIZE")) if world_size is None else int(world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"init_process_group: rank {rank} is outside world_size {world_size}")
     seconds = timeout.total_seconds()
     host, port = _master_address(init_method)
+    if backend == "nccl":
+        prepare_device(rank)  # a missing GPU or NCCL fails here, before any socket
     store = TCPStore(host, port, is_master=rank == 0, timeout=seconds)
     try:
-        group = GlooGroup(store, rank, world_size, seconds)
+        make_group = NcclGroup if backend == "nccl" else GlooGroup
+        group = make_group(store, rank, world_size, seconds)
     except BaseException:
         store.close()
         raise
@@ -146,7 +166,8 @@ def get_backend() -> str:
 
 
 def destroy_process_group() -> None:
-    """Close the sockets (and, on rank 0, the store) and forget the group."""
+    """Close the sockets or the NCCL communicator (after its queued collectives) and, on
+    rank 0, the store; forget the group."""
     global _default_group
     process_group = _default()
     _default_group = None
@@ -180,12 +201,14 @@ def _check(tensor, name: str) -> None:
         raise TypeError(f"{name}: expected a flame Tensor, got {type(tensor).__name__}")
 
 
-def _check_call(name: str, group, async_op: bool) -> GlooGroup:
+def _check_call(name: str, group, async_op: bool) -> GlooGroup | NcclGroup:
     if group is not None:
         raise NotImplementedError(f"{name}: only the default group exists (group=None)")
-    if async_op:
-        raise NotImplementedError(f"{name}: async_op=True is not supported yet")
     return _default().group
+
+
+def _done(async_op: bool) -> Work | None:
+    return Work() if async_op else None
 
 
 def _op_name(op) -> str:
@@ -194,31 +217,43 @@ def _op_name(op) -> str:
     return op.value
 
 
-def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group=None, async_op=False) -> None:
+def all_reduce(tensor: Tensor, op: ReduceOp = ReduceOp.SUM, group=None, async_op=False):
     """Combine ``tensor`` over every rank with ``op``; the result replaces it on every rank."""
     process_group = _check_call("all_reduce", group, async_op)
     _check(tensor, "all_reduce")
-    tensor.copy_(process_group.all_reduce(tensor.numpy(), _op_name(op)))
+    if isinstance(process_group, NcclGroup):
+        process_group.all_reduce(tensor, _op_name(op))
+    else:
+        tensor.copy_(process_group.all_reduce(tensor.numpy(), _op_name(op)))
+    return _done(async_op)
 
 
-def broadcast(tensor: Tensor, src: int, group=None, async_op=False) -> None:
+def broadcast(tensor: Tensor, src: int, group=None, async_op=False):
     """Rank ``src``'s ``tensor`` replaces ``tensor`` on every rank."""
     process_group = _check_call("broadcast", group, async_op)
     _check(tensor, "broadcast")
     if not 0 <= src < process_group.world_size:
         raise ValueError(f"broadcast: src {src} is outside world_size {process_group.world_size}")
+    if isinstance(process_group, NcclGroup):
+        process_group.broadcast(tensor, src)
+        return _done(async_op)
     result = process_group.broadcast(tensor.numpy(), src)
     if process_group.rank != src:
         tensor.copy_(result)
+    return _done(async_op)
 
 
-def all_gather(tensor_list: list[Tensor], tensor: Tensor, group=None, async_op=False) -> None:
+def all_gather(tensor_list: list[Tensor], tensor: Tensor, group=None, async_op=False):
     """``tensor_list[i]`` receives rank i's ``tensor``."""
     process_group = _check_call("all_gather", group, async_op)
     _check(tensor, "all_gather")
     _check_list(tensor_list, tensor, process_group.world_size, "all_gather", "tensor_list")
+    if isinstance(process_group, NcclGroup):
+        process_group.all_gather(tensor_list, tensor)
+        return _done(async_op)
     for target, value in zip(tensor_list, process_group.all_gather(tensor.numpy())):
         target.copy_(value)
+    return _done(async_op)
 
 
 def reduce_scatter(
@@ -227,13 +262,17 @@ def reduce_scatter(
     op: ReduceOp = ReduceOp.SUM,
     group=None,
     async_op=False,
-) -> None:
+):
     """``output`` on rank r receives ``input_list[r]`` combined over every rank with ``op``."""
     process_group = _check_call("reduce_scatter", group, async_op)
     _check(output, "reduce_scatter")
     _check_list(input_list, output, process_group.world_size, "reduce_scatter", "input_list")
+    if isinstance(process_group, NcclGroup):
+        process_group.reduce_scatter(output, input_list, _op_name(op))
+        return _done(async_op)
     arrays = [np.asarray(item.numpy(), output.dtype.numpy) for item in input_list]
     output.copy_(process_group.reduce_scatter(arrays, _op_name(op)))
+    return _done(async_op)
 
 
 def _check_list(tensors, like: Tensor, world_size: int, name: str, what: str) -> None:
@@ -248,6 +287,8 @@ def _check_list(tensors, like: Tensor, world_size: int, name: str, what: str) ->
             )
 
 
-def barrier(group=None, async_op=False) -> None:
-    """Return once every rank has called ``barrier``."""
+def barrier(group=None, async_op=False):
+    """Return once every rank has called ``barrier`` (nccl: and this rank's queued GPU work,
+    the barrier's all-reduce included, is done)."""
     _check_call("barrier", group, async_op).barrier()
+    return _done(async_op)

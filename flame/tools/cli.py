@@ -72,7 +72,21 @@ def _run_info(arguments: argparse.Namespace) -> int:
 
 
 def _library_rows() -> list[tuple[str, str]]:
-    """Which path convolutions and attention take: cuDNN, or FLAME's own kernels and why."""
+    """Which path convolutions and attention take: cuDNN, or FLAME's own kernels and why;
+    and whether NCCL (flame.distributed's nccl backend) can be loaded."""
+    return _cudnn_rows() + [("nccl", _nccl_status())]
+
+
+def _nccl_status() -> str:
+    try:
+        from flame.runtime import library_nccl
+
+        return library_nccl.status()
+    except Exception as error:  # a broken install should be reported, not crash `info`
+        return f"unavailable ({type(error).__name__}: {error})"
+
+
+def _cudnn_rows() -> list[tuple[str, str]]:
     try:
         from flame.runtime import library_cudnn
 

@@ -2,6 +2,7 @@
 
 from flame.ir.ops import (  # noqa: F401  (declarations register themselves)
     attention,
+    collective,
     conv,
     elementwise,
     indexing,

@@ -1,0 +1,179 @@
+"""The ``nccl`` backend: one NCCL communicator per process group, collectives as IR nodes.
+
+Joining (``init_process_group("nccl")``):
+
+1. the rank's GPU: LOCAL_RANK (else ``rank % device count``). Where CUDA has not started yet in
+   this process, CUDA_VISIBLE_DEVICES is narrowed to that GPU, so it is device 0 for every
+   thread (FLAME's background threads too); otherwise the calling thread's device is set;
+2. rank 0 makes NCCL's unique id and publishes it in the store with its world size; every
+   rank publishes that it joined, and waits (with the group's timeout) for every other rank
+   before ``ncclCommInitRank``, which would otherwise wait for a missing rank forever: a
+   rank that never joins is named, as are mismatched world sizes;
+3. the communicator is registered (flame/runtime/library_nccl.py) under the group's name,
+   derived from the id, the same on every rank.
+
+Collectives build one node each (flame/distributed/functional.py) whose launch calls NCCL on
+FLAME's stream. Outside ``flame.compile`` the call queues the collective at once, after the
+kernels that compute its input (no host wait), so every rank issues its collectives in the
+order of its calls, as NCCL needs; the result is written into the tensor with ``copy_``. Inside
+``flame.compile`` the collective and the write are part of the program.
+
+NCCL has no timeout of its own: a rank that stops calling collectives leaves the others
+waiting inside NCCL. ``flame run`` stops every rank when one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from flame.distributed import functional
+from flame.distributed.store import DistributedError, DistributedTimeout, TCPStore
+from flame.runtime import library_nccl  # registers the collectives' launches
+from flame.tensor import Tensor
+
+_ID_KEY = "nccl/id"
+
+
+def _local_rank() -> int | None:
+    text = os.environ.get("LOCAL_RANK", "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"init_process_group: LOCAL_RANK must be a rank number, got {text!r}")
+    return int(text)
+
+
+def prepare_device(rank: int) -> int:
+    """Choose and select the rank's GPU, before any store or socket is made; the errors say
+    what is missing (a GPU, the NCCL wheel). Returns the device's index in this process."""
+    from flame.runtime.device import gpu_available, gpu_unavailable_reason
+
+    local_rank = _local_rank()
+    if local_rank is not None and not library_nccl.cuda_initialized():
+        library_nccl.narrow_visible_devices(local_rank)
+    if not gpu_available():
+        raise RuntimeError(
+            f"init_process_group(backend='nccl'): rank {rank} finds no usable GPU "
+            f"({gpu_unavailable_reason()}); NCCL runs collectives on CUDA tensors, use "
+            "backend='gloo' to run on the CPU"
+        )
+    try:
+        library_nccl.load()
+    except library_nccl.NcclUnavailable as error:
+        raise RuntimeError(f"init_process_group(backend='nccl'): {error}") from None
+    return library_nccl.use_device(rank, local_rank)
+
+
+class NcclGroup:
+    """One rank's membership of an NCCL communicator."""
+
+    def __init__(self, store: TCPStore, rank: int, world_size: int, timeout: float):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.aborted: str | None = None
+        uid = self._rendezvous(store)
+        self.name = library_nccl.group_name(uid)
+        library_nccl.create_communicator(self.name, world_size, uid, rank)
+
+    def _rendezvous(self, store: TCPStore) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            store.set(_ID_KEY, f"{self.world_size}:".encode() + library_nccl.unique_id())
+        store.set(f"nccl/joined/{self.rank}", str(self.world_size))
+        try:
+            published = store.get(_ID_KEY, timeout=max(deadline - time.monotonic(), 0.0))
+        except DistributedTimeout as error:
+            raise DistributedTimeout(f"rank 0 never published NCCL's id: {error}") from None
+        world_text, _, uid = published.partition(b":")
+        self._check_world("rank 0", int(world_text))
+        missing = []
+        for peer in range(self.world_size):
+            left = max(deadline - time.monotonic(), 0.0) if not missing else 0.0
+            try:
+                joined = store.get(f"nccl/joined/{peer}", timeout=left)
+            except DistributedTimeout:
+                missing.append(peer)
+                continue
+            self._check_world(f"rank {peer}", int(joined))
+        if missing:
+            raise DistributedTimeout(
+                f"rank {self.rank}: ranks {missing} never joined the nccl group within "
+                f"{self.timeout:g}s"
+            )
+        return uid
+
+    def _check_world(self, who: str, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise DistributedError(
+                f"{who} has world_size {world_size}, this rank (rank {self.rank}) has "
+                f"{self.world_size}: every rank must be given the same WORLD_SIZE"
+            )
+
+    # --- life ----------------------------------------------------------------------------------
+    def check_alive(self, name: str) -> None:
+        if self.aborted is not None:
+            raise DistributedError(f"{name}: the process group was aborted: {self.aborted}")
+
+    def close(self) -> None:
+        library_nccl.destroy(self.name)
+
+    def abort(self, message: str) -> None:
+        """Free the communicator at once (ncclCommAbort); this rank's later collectives fail
+        with ``message``. The other ranks are stopped by the launcher, not through NCCL."""
+        if self.aborted is None:
+            self.aborted = message
+            library_nccl.abort(self.name)
+
+    def barrier(self) -> None:
+        self.check_alive("barrier")
+        library_nccl.barrier(self.name)
+
+    # --- collectives on tensors (in place, as PyTorch's) --------------------------------------
+    def _check(self, name: str, tensor: Tensor) -> None:
+        self.check_alive(name)
+        if tensor.backend != "cuda":
+            raise ValueError(
+                f"{name}: the nccl backend runs collectives on CUDA tensors, got "
+                f"{tensor.dtype.name}{list(tensor.shape)} on the {tensor.backend} backend; move "
+                "it with .cuda(), or use backend='gloo' for CPU tensors"
+            )
+
+    def _group(self) -> dict:
+        return {"world_size": self.world_size, "group_name": self.name}
+
+    def all_reduce(self, tensor: Tensor, op: str) -> None:
+        self._check("all_reduce", tensor)
+        _write(tensor, functional.all_reduce(tensor, op, **self._group()))
+
+    def broadcast(self, tensor: Tensor, src: int) -> None:
+        self._check("broadcast", tensor)
+        _write(tensor, functional.broadcast(tensor, src, **self._group()))
+
+    def all_gather(self, tensor_list: list[Tensor], tensor: Tensor) -> None:
+        self._check("all_gather", tensor)
+        gathered = _issued(functional.all_gather(tensor, **self._group()))
+        for index, target in enumerate(tensor_list):
+            target.copy_(gathered[index])
+
+    def reduce_scatter(self, output: Tensor, input_list: list[Tensor], op: str) -> None:
+        self._check("reduce_scatter", output)
+        for item in input_list:
+            self._check("reduce_scatter", item)
+        from flame.joining import stack
+
+        stacked = stack(list(input_list), dim=0)
+        _write(output, functional.reduce_scatter(stacked, op, **self._group()))
+
+
+def _issued(result: Tensor) -> Tensor:
+    """Outside ``flame.compile``, queue the collective now (its inputs' kernels first, no host
+    wait), so every rank issues collectives in the order of its calls."""
+    from flame.compile import current_trace
+
+    if current_trace() is None:
+        result.realize()
+    return result
+
+
+def _write(target: Tensor, result: Tensor) -> None:
+    target.copy_(_issued(result))
