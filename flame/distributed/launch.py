@@ -18,8 +18,9 @@ ranks still alive after the grace period get SIGKILL, and the launcher reports t
 its exit code or signal and the last lines of its error output, then exits with that rank's
 code (128 + N for signal N). SIGINT, SIGTERM or SIGHUP to the launcher are passed on to every
 rank (SIGINT as SIGINT, so Python scripts see KeyboardInterrupt; the others as SIGTERM), with
-SIGKILL after the grace period or at a second signal. POSIX only. Only the launcher's stdlib
-is needed here: the ranks import FLAME, not this module.
+SIGKILL after the grace period or at a second signal. A launcher killed by SIGKILL cannot stop
+its ranks (as with torchrun). POSIX only; the standard library only (CuPy, if there, to count
+GPUs).
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ DEFAULT_GRACE_PERIOD_S = 5.0
 TAIL_LINES = 20  # lines of the failed rank's stderr in the report
 
 DESCRIPTION = (
-    "Start NPROC processes of `python SCRIPT ARGS` on this node (torchrun's way) with RANK, "
-    "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set, "
-    "for flame.distributed.init_process_group. Each rank's output lines are prefixed with "
-    "[rankN]:. When one rank fails, the others get SIGTERM, then SIGKILL after the grace "
-    "period, and the failed rank, its exit code and its last error lines are reported. Device "
-    "choice is left to each rank (LOCAL_RANK); CUDA_VISIBLE_DEVICES is not changed unless "
-    "--bind-gpus is given. Launcher options go before SCRIPT; everything after it is the "
-    "script's."
+    "Start N processes of `python SCRIPT ARGS` (torchrun's way) with RANK, WORLD_SIZE, "
+    "LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set, for "
+    "flame.distributed.init_process_group; their output lines are prefixed with [rankN]:. When "
+    "one rank fails, the others get SIGTERM (SIGKILL after the grace period) and the failed "
+    "rank, its exit code and its last error lines are reported. Each rank picks its GPU by "
+    "LOCAL_RANK: CUDA_VISIBLE_DEVICES is left alone unless --bind-gpus. Launcher options go "
+    "before SCRIPT; all after it is the script's."
 )
 
 
@@ -59,7 +59,7 @@ class LaunchError(Exception):
 
 @dataclass
 class LaunchConfig:
-    command: list[str]  # what each rank runs, without the interpreter for Python scripts
+    command: list[str]  # each rank's argv: python -u SCRIPT ARGS
     nproc_per_node: int
     nnodes: int = 1
     node_rank: int = 0
@@ -116,46 +116,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long stopped ranks get between SIGTERM and SIGKILL "
         f"(default: {DEFAULT_GRACE_PERIOD_S:g})",
     )
-    parser.add_argument(
-        "--no-prefix",
-        action="store_true",
-        help="pass each rank's output lines through without the [rankN]: prefix",
-    )
+    prefix_help = "pass each rank's output lines through without the [rankN]: prefix"
+    parser.add_argument("--no-prefix", action="store_true", help=prefix_help)
     parser.add_argument(
         "--bind-gpus",
         action="store_true",
         help="give each rank only its own GPU: CUDA_VISIBLE_DEVICES set to the LOCAL_RANK-th "
         "visible device, so the rank sees it as device 0",
     )
-    parser.add_argument(
-        "-m",
-        "--module",
-        action="store_true",
-        help="SCRIPT is a module name, run as `python -m SCRIPT`",
-    )
+    module_help = "SCRIPT is a module name, run as `python -m SCRIPT`"
+    parser.add_argument("-m", "--module", action="store_true", help=module_help)
     parser.add_argument("script", metavar="SCRIPT", help="the Python script each rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 
 
 def config_from_arguments(arguments: argparse.Namespace) -> LaunchConfig:
     """Check the options and fill in the defaults; raises ``LaunchError`` naming the option."""
-    if arguments.nnodes < 1:
-        raise LaunchError(f"--nnodes must be at least 1, got {arguments.nnodes}")
-    if not 0 <= arguments.node_rank < arguments.nnodes:
-        raise LaunchError(
-            f"--node-rank {arguments.node_rank} is outside 0..{arguments.nnodes - 1} "
-            f"(--nnodes {arguments.nnodes})"
-        )
+    nnodes, node_rank = arguments.nnodes, arguments.node_rank
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
     if arguments.grace_period < 0:
         raise LaunchError(f"--grace-period must not be negative, got {arguments.grace_period}")
     master_addr = arguments.master_addr
-    if master_addr is None:
-        if arguments.nnodes > 1:
-            raise LaunchError(
-                f"--nnodes {arguments.nnodes} needs --master-addr: the address of node 0, "
-                "which every node can reach"
-            )
-        master_addr = "127.0.0.1"
+    if master_addr is None and nnodes > 1:
+        raise LaunchError(f"--nnodes {nnodes} needs --master-addr, node 0's address for all")
+    master_addr = master_addr or "127.0.0.1"
     port = arguments.master_port
     if port is None:
         port = DEFAULT_MULTI_NODE_PORT if arguments.nnodes > 1 else free_port(master_addr)
@@ -248,14 +235,10 @@ def _cuda_visible_entries(value: str | None) -> list[str] | None:
     that is not a device: a negative or malformed index."""
     if value is None:
         return None
-    entries = []
-    for entry in value.split(","):
-        entry = entry.strip()
-        is_index = entry.isdigit()
-        is_uuid = entry.startswith(("GPU-", "MIG-"))
-        if not (is_index or is_uuid):
-            break
-        entries.append(entry)
+    entries = [entry.strip() for entry in value.split(",")]
+    for count, entry in enumerate(entries):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            return entries[:count]
     return entries
 
 
@@ -305,7 +288,7 @@ class _Rank:
     process: subprocess.Popen
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     readers: list[threading.Thread] = field(default_factory=list)
-    stopped_by: str | None = None  # the launcher's signal that ended it, if any
+    stopped_by: tuple[signal.Signals, str] | None = None  # the launcher's signal, and when
 
     def signal_group(self, number: int) -> None:
         """Signal the rank and everything it started (its session's process group)."""
@@ -357,10 +340,6 @@ def _describe_exit(code: int) -> str:
             name = f"signal {-code}"
         return f"killed by {name} (signal {-code})"
     return f"exit code {code}"
-
-
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
 
 
 class _Job:
@@ -430,9 +409,10 @@ class _Job:
         if self.stop_signal is not None:
             for rank in self.ranks:  # what the ranks started and left behind
                 rank.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + 2.0  # a process the rank left may hold its pipes open
         for rank in self.ranks:
             for reader in rank.readers:
-                reader.join(timeout=1.0)
+                reader.join(timeout=max(deadline - time.monotonic(), 0.0))
         return self._report()
 
     def _handle_signals(self) -> None:
@@ -454,14 +434,14 @@ class _Job:
         self.deadline = time.monotonic() + self.config.grace_period
         for rank in self.ranks:
             if rank.process.returncode is None:
-                rank.stopped_by = signal.Signals(number).name
+                rank.stopped_by = (signal.Signals(number), "")
             rank.signal_group(number)
 
     def _kill_survivors(self, when: str) -> None:
         self.killed = True
-        survivors = [rank for rank in self.ranks if rank.process.poll() is None]
+        survivors = [rank for rank in self.ranks if rank.process.returncode is None]
         for rank in survivors:
-            rank.stopped_by = f"SIGKILL {when}"
+            rank.stopped_by = (signal.SIGKILL, f" {when}")
             rank.signal_group(signal.SIGKILL)
         if survivors:
             names = ", ".join(str(rank.rank) for rank in survivors)
@@ -480,7 +460,7 @@ class _Job:
             else:
                 _say(f"rank {failed.rank} wrote nothing to stderr")
             self._report_others(failed)
-            return _exit_status(code) or 1
+            return 128 - code if code < 0 else code  # as a shell reports a signal
         if self.stop_signal is not None:
             self._report_others(None)
             return 128 + self.interrupted_by if self.interrupted_by else 1
@@ -493,10 +473,9 @@ class _Job:
             code = rank.process.returncode
             outcome = _describe_exit(code)
             if rank.stopped_by is not None:
-                name = rank.stopped_by.split()[0]
-                stopped = code == -signal.Signals[name].value
-                outcome = f"stopped by {rank.stopped_by}" if stopped else outcome
-                outcome += "" if stopped else f" after {rank.stopped_by}"
+                number, when = rank.stopped_by
+                sent = f"{number.name}{when}"
+                outcome = f"stopped by {sent}" if code == -number else f"{outcome} after {sent}"
             _say(f"rank {rank.rank}: {outcome}")
 
 
