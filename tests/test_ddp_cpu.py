@@ -1,0 +1,350 @@
+"""DistributedDataParallel and DistributedSampler on the CPU: worlds of 2 and 3 processes on
+the gloo backend, and what needs no world in this process.
+
+Each rank is this file run as a script (``python test_ddp_cpu.py SCENARIO``) with RANK
+WORLD_SIZE MASTER_ADDR MASTER_PORT and FLAME_BACKEND=reference in its environment; the
+scenario asserts its own results and exits 0 (the harness of test_distributed_cpu.py). The
+oracle of every gradient is one process over the whole batch, computed in each rank with a
+model built from rank 0's seed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORLD_DEADLINE_S = 60.0
+TOLERANCE = {"rtol": 2e-5, "atol": 1e-6}
+
+
+# --- the harness ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_world(scenario: str, world_size: int, tmp_path: Path):
+    """{rank: (returncode, output)}; a second try where another process took the port."""
+    for _ in range(3):
+        results = _run_world_once(scenario, world_size, tmp_path)
+        if not any("is the port in use" in output for _, output in results.values()):
+            break
+    return results
+
+
+def _run_world_once(scenario, world_size, tmp_path):
+    port = free_port()
+    processes = {}
+    for rank in range(world_size):
+        environment = dict(os.environ, FLAME_BACKEND="reference", RANK=str(rank))
+        environment.update(WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+        environment.update(MASTER_PORT=str(port), FLAME_TEST_DIR=str(tmp_path))
+        processes[rank] = subprocess.Popen(
+            [sys.executable, __file__, scenario],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    results = {}
+    try:
+        for rank, process in processes.items():
+            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            results[rank] = (process.returncode, output)
+    except subprocess.TimeoutExpired:
+        for process in processes.values():
+            process.kill()
+        outputs = {rank: process.communicate()[0] for rank, process in processes.items()}
+        pytest.fail(f"{scenario}: the world hung past {WORLD_DEADLINE_S}s; outputs: {outputs}")
+    return results
+
+
+# --- models and data (the same in every rank) --------------------------------------------------
+def make_mlp(seed: int):
+    import flame as fl
+    import flame.nn as nn
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+            )
+            self.register_buffer("scale", fl.full((3,), 0.5))
+
+        def forward(self, x):
+            return self.body(x) * self.scale
+
+    fl.manual_seed(seed)
+    return Scaled()
+
+
+def make_convnet(seed: int):
+    import flame as fl
+    import flame.nn as nn
+
+    fl.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
+
+
+def batch(size: int, shape, seed: int):
+    import flame as fl
+
+    data = np.random.default_rng(seed)
+    inputs = data.standard_normal((size, *shape)).astype(np.float32)
+    targets = data.standard_normal((size, 3)).astype(np.float32)
+    return fl.tensor(inputs), fl.tensor(targets)
+
+
+def loss_of(model, inputs, targets):
+    import flame.nn.functional as F
+
+    return F.mse_loss(model(inputs), targets)
+
+
+def shard(tensor, rank: int, world: int):
+    size = tensor.shape[0] // world
+    return tensor[rank * size : (rank + 1) * size]
+
+
+def grads(model) -> dict:
+    return {name: p.grad.numpy() for name, p in model.named_parameters()}
+
+
+def assert_grads_equal(model, reference, what: str) -> None:
+    expected = grads(reference)
+    for name, value in grads(model).items():
+        np.testing.assert_allclose(value, expected[name], err_msg=f"{what}: {name}", **TOLERANCE)
+
+
+def sgd_step(model, lr: float = 0.1) -> None:
+    import flame as fl
+
+    with fl.no_grad():
+        for p in model.parameters():
+            p.sub_(p.grad * lr)
+
+
+def full_batch_reference(make, seed, inputs, targets):
+    reference = make(seed)
+    loss_of(reference, inputs, targets).backward()
+    return reference
+
+
+# --- scenarios (run inside each rank) ---------------------------------------------------------
+def join():
+    import flame.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    return dist
+
+
+def scenario_train():
+    """Broadcast at wrap, gradients against the full batch (one bucket, many buckets, a conv
+    net), no_sync, buffers, an optimizer step, state_dict: every rank checks itself."""
+    import flame as fl
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    dist = join()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, targets = batch(12, (6,), seed=0)
+
+    # ranks start with different weights and buffers; the wrap gives them rank 0's
+    model = make_mlp(seed=100 + rank)
+    model.scale.fill_(float(rank + 1))
+    start = make_mlp(seed=100)
+    same = [np.array_equal(p.numpy(), q.numpy()) for p, q in zip(model.parameters(), start.parameters())]  # fmt: skip
+    assert all(same) == (rank == 0), same
+    ddp = DDP(model)
+    for (name, p), q in zip(model.named_parameters(), start.parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=name)
+    assert model.scale.tolist() == [1.0] * 3  # rank 0's buffer
+    assert len(ddp._bucket_names()) == 1  # 2 KB of parameters: under the 1 MiB first bucket
+
+    # one synchronized step == one process over the whole batch (the buffer taken from rank 0
+    # again before the forward: the reference scale is 1.0)
+    model.scale.fill_(float(rank + 1))
+    loss_of(ddp, shard(inputs, rank, world), shard(targets, rank, world)).backward()
+    assert model.scale.tolist() == [1.0] * 3
+    reference = make_mlp(seed=100)
+    reference.scale.fill_(1.0)
+    loss_of(reference, inputs, targets).backward()
+    assert_grads_equal(model, reference, "one bucket")
+
+    # an SGD step on every rank keeps them equal (to each other and to the reference)
+    sgd_step(ddp)
+    sgd_step(reference)
+    flat = fl.cat([p.reshape(-1) for p in model.parameters()])
+    everyone = [fl.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    for other in everyone:
+        np.testing.assert_array_equal(other.numpy(), flat.numpy())
+    for p, q in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(p.numpy(), q.numpy(), **TOLERANCE)
+
+    # no_sync: two micro-batches, the first only local, the second averages the sum
+    ddp.zero_grad()
+    first, second = (batch(12, (6,), seed=s) for s in (1, 2))
+    with ddp.no_sync():
+        loss_of(ddp, shard(first[0], rank, world), shard(first[1], rank, world)).backward()
+    local = make_mlp(seed=0)
+    local.load_state_dict(model.state_dict())
+    loss_of(local, shard(first[0], rank, world), shard(first[1], rank, world)).backward()
+    assert_grads_equal(model, local, "inside no_sync (not averaged)")
+    loss_of(ddp, shard(second[0], rank, world), shard(second[1], rank, world)).backward()
+    whole = make_mlp(seed=0)
+    whole.load_state_dict(model.state_dict())
+    (loss_of(whole, *first) + loss_of(whole, *second)).backward()
+    assert_grads_equal(model, whole, "no_sync then a synchronized step")
+
+    # state_dict: PyTorch's keys, loading round trip
+    state = ddp.state_dict()
+    assert list(state) == ["module." + key for key in model.state_dict()], list(state)
+    copy = DDP(make_mlp(seed=7))
+    copy.load_state_dict(state)
+    for p, q in zip(copy.parameters(), model.parameters()):
+        np.testing.assert_array_equal(p.numpy(), q.numpy())
+
+    # many buckets (a tiny cap), and the bucket views kept across two steps
+    small = DDP(make_mlp(seed=100 + rank), bucket_cap_mb=0.0002, gradient_as_bucket_view=True)
+    names = small._bucket_names()
+    assert len(names) >= 3 and names[0][0] == "body.4.bias", names
+    for step_seed in (3, 4):
+        small.zero_grad()
+        step_inputs, step_targets = batch(12, (6,), seed=step_seed)
+        local_batch = shard(step_inputs, rank, world), shard(step_targets, rank, world)
+        loss_of(small, *local_batch).backward()
+        expected = full_batch_reference(make_mlp, 100, step_inputs, step_targets)
+        assert_grads_equal(small.module, expected, f"{len(names)} buckets, step {step_seed}")
+
+    # a conv net, buckets of one or two parameters
+    images, labels = batch(12, (2, 5, 5), seed=5)
+    conv = DDP(make_convnet(seed=200 + rank), bucket_cap_mb=0.0002)
+    assert len(conv._bucket_names()) >= 3
+    loss_of(conv, shard(images, rank, world), shard(labels, rank, world)).backward()
+    assert_grads_equal(conv.module, full_batch_reference(make_convnet, 200, images, labels), "conv")
+    dist.destroy_process_group()
+
+
+def scenario_unused():
+    """find_unused_parameters: a parameter only rank 0 uses, one nobody uses; and without the
+    flag, the next forward names the parameter that got no gradient."""
+    import flame.nn as nn
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    dist = join()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(6, 3)
+            self.only_rank0 = nn.Linear(6, 3)
+            self.never = nn.Linear(6, 3)
+
+        def forward(self, x, use_extra: bool):
+            out = self.trunk(x)
+            return out + self.only_rank0(x) if use_extra else out
+
+    inputs, targets = batch(12, (6,), seed=6)
+
+    def build():
+        import flame as fl
+
+        fl.manual_seed(9)
+        return Branches()
+
+    def local_loss(model, which):
+        x, y = shard(inputs, which, world), shard(targets, which, world)
+        import flame.nn.functional as F
+
+        return F.mse_loss(model(x, which == 0), y)
+
+    model = DDP(build(), find_unused_parameters=True, bucket_cap_mb=0.0001)
+    local_loss(model, rank).backward()
+    per_rank = []
+    for other in range(world):  # the oracle: every rank's local gradient, averaged
+        reference = build()
+        local_loss(reference, other).backward()
+        per_rank.append(reference)
+    for name, p in model.module.named_parameters():
+        if name.startswith("never"):
+            assert p.grad is None, name  # unused on every rank: left alone, as PyTorch
+            continue
+        contributions = [
+            dict(r.named_parameters())[name].grad for r in per_rank
+        ]  # fmt: skip
+        expected = sum(g.numpy() for g in contributions if g is not None) / world
+        np.testing.assert_allclose(p.grad.numpy(), expected, err_msg=name, **TOLERANCE)
+
+    strict = DDP(build())
+    local_loss(strict, 1).backward()  # only_rank0 and never get no gradient on any rank
+    try:
+        local_loss(strict, 1)
+    except RuntimeError as error:
+        message = str(error)
+        assert "find_unused_parameters=True" in message, message
+        assert "only_rank0.weight" in message and "never.bias" in message, message
+        assert "trunk" not in message.split("rank")[-1], message
+    else:
+        raise AssertionError("an unfinished reduction was not reported")
+    dist.destroy_process_group()
+
+
+def scenario_mismatch():
+    import flame.nn as nn
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    dist = join()
+    rank = dist.get_rank()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5 if rank == 2 else 3))
+    with dist.abort_on_error():
+        DDP(model)
+
+
+# --- the tests: worlds ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_training_matches_one_process_over_the_whole_batch(world_size, tmp_path):
+    results = run_world("train", world_size, tmp_path)
+    failed = {rank: output for rank, (code, output) in results.items() if code != 0}
+    assert not failed, f"ranks failed: {failed}"
+
+
+@pytest.mark.slow
+def test_ddp_unused_parameters(tmp_path):
+    results = run_world("unused", 2, tmp_path)
+    failed = {rank: output for rank, (code, output) in results.items() if code != 0}
+    assert not failed, f"ranks failed: {failed}"
+
+
+@pytest.mark.slow
+def test_ddp_model_mismatch_fails_on_every_rank_naming_the_parameter(tmp_path):
+    results = run_world("mismatch", 3, tmp_path)
+    for rank, (code, output) in results.items():
+        assert code != 0, f"rank {rank} passed: {output}"
+        assert "the model differs across ranks" in output, output
+        assert "parameter '2.weight' is float32[5, 8] on rank 2 but float32[3, 8] on rank 0" in (
+            output
+        ), output
+        assert f"this process is rank {rank}" in output, output
+
+
+if __name__ == "__main__":
+    globals()[f"scenario_{sys.argv[1]}"]()
