@@ -92,3 +92,80 @@ def grad_of(param: Tensor) -> Tensor:
     if grad.dtype != param.dtype:
         grad = grad.to(param.dtype)
     return grad
+
+
+# --- inside flame.compile ---------------------------------------------------------------------
+
+
+def tracing() -> bool:
+    """Whether a ``flame.compile``d function is being traced in this context."""
+    from flame.compile import current_trace
+
+    return current_trace() is not None
+
+
+def apply_rule(rule, *lists, scalars: Tensor | None = None, into=()) -> None:
+    """``flame.foreach(rule, *lists, scalars=, into=)``, which runs at once, or, while a
+    compiled function is traced, the same rule applied to each index and its results written
+    with ``copy_``: in-place writes the program repeats at every call (flame/inplace.py), each
+    fused by the compiler with the work that computes its operands."""
+    if not tracing():
+        import importlib
+
+        # the module (``flame.foreach`` the attribute is the function), looked up at the
+        # call: tests count its calls
+        module = importlib.import_module("flame.foreach")
+        module.foreach(rule, *lists, scalars=scalars, into=into)
+        return
+    from flame.autograd import no_grad
+
+    extra = () if scalars is None else (scalars,)
+    with no_grad():
+        for index in range(len(lists[0])):
+            results = rule(*[column[index] for column in lists], *extra)
+            results = (results,) if isinstance(results, Tensor) else tuple(results)
+            for result, position in zip(results, into):
+                lists[position][index].copy_(result)
+
+
+def new_scalar(value: float, like: Tensor, dtype=float32) -> Tensor:
+    """A realized 0-d tensor of its own memory on ``like``'s backend (made from a 0-d array:
+    a computed 0-d value is kept as a one-element array on the reference backend, which an
+    in-place write refuses). Made while tracing, it is memory the program reads and writes."""
+    from flame.backend import backend
+    from flame.creation import tensor
+
+    with backend(like.backend):
+        return tensor(np.array(value, dtype=dtype.numpy)).realize()
+
+
+def write_values(target: Tensor, values, uploads: StagedUploads | None = None) -> None:
+    """Host ``values`` written into ``target``'s memory (in place, so compiled programs that
+    read it see them): through ``uploads`` on the GPU (no wait), as plain data while tracing."""
+    from flame.autograd import no_grad
+
+    host = np.asarray(values, dtype=np.float64).reshape(target.shape)
+    if tracing() or target.dtype is not float32:
+        from flame.backend import backend
+        from flame.creation import tensor
+
+        with backend(target.backend):
+            source = tensor(host.astype(target.dtype.numpy))
+    else:
+        source = scalars(host.reshape(-1), target, uploads).reshape(target.shape)
+    with no_grad():
+        target.copy_(source)
+
+
+def lr_tensor(group: dict, like: Tensor) -> Tensor | None:
+    """A group's learning rate as a 0-d float32 tensor when it is a tensor (PyTorch allows
+    ``lr=torch.tensor(...)``: read on the device at every step), else None."""
+    lr = group["lr"]
+    if not isinstance(lr, Tensor):
+        return None
+    if lr.backend != like.backend:
+        raise ValueError(
+            f"optimizer: the learning rate tensor is on the {lr.backend} backend, the "
+            f"parameters on {like.backend}"
+        )
+    return lr.reshape(()).to(float32)

@@ -5,13 +5,24 @@ from __future__ import annotations
 import math
 
 from flame import functional as F
-from flame.foreach import foreach
-from flame.optim._common import grad_of, guarded, in_float32, scalars, zeros_state
+from flame.optim._common import (
+    apply_rule,
+    grad_of,
+    guarded,
+    in_float32,
+    lr_tensor,
+    new_scalar,
+    scalars,
+    tracing,
+    zeros_state,
+)
 from flame.optim.optimizer import Optimizer
-from flame.tensor import Tensor, realize
+from flame.tensor import Tensor
 
 # the per-step values every parameter of a group reads, in the order the rules index them
 _LR, _BETA1, _BETA2, _EPS, _L2, _DECAY, _STEP_SIZE, _BC2_SQRT, _SIGN = range(9)
+# and after them, in the group's values on the device (``Optimizer._hyper``)
+_LOG_BETA1, _LOG_BETA2, _WD = range(9, 12)
 
 
 def _moments(p, g, m, v, h):
@@ -61,7 +72,11 @@ class Adam(Optimizer):
             raise ValueError(f"{type(self).__name__}: eps and weight_decay must be >= 0")
 
     def _update(self, group, params):
-        by_step: dict[int, list] = {}
+        # on the device: the step counts (0-d tensors shared by the parameters stepped
+        # together) and the values computed from them, when a GradScaler may skip the step,
+        # the rate is a tensor, or the step is traced (flame.compile); else on the host
+        on_device = self._skip_if is not None or tracing() or isinstance(group["lr"], Tensor)
+        by_step: dict = {}
         amsgrad = group["amsgrad"]
         for param in params:
             state = self.state.setdefault(param)
@@ -72,11 +87,11 @@ class Adam(Optimizer):
                 if amsgrad:
                     state["max_exp_avg_sq"] = zeros_state(param)
             step = state["step"]
-            if self._skip_if is None and not isinstance(step, Tensor):
+            if not on_device and not isinstance(step, Tensor):
                 step = state["step"] = step + 1
                 by_step.setdefault(int(step), []).append((param, state))
-            else:  # counted on the device: keyed by the count (shared by a group's members)
-                key = ("device", id(step) if isinstance(step, Tensor) else step)
+            else:  # keyed by the count (shared by a group's members)
+                key = ("device", id(step)) if isinstance(step, Tensor) else ("host", float(step))
                 by_step.setdefault(key, []).append((param, state))
         for step, members in by_step.items():
             if isinstance(step, tuple):
@@ -85,38 +100,52 @@ class Adam(Optimizer):
                 self._apply(group, members, step)
 
     def _device_steps(self, group, members) -> Tensor:
-        """The step count of a step GradScaler may skip, counted on the device: the count
-        does not advance where the found-inf flag is set, so the bias corrections are made
-        there too, in float32 (``1 - beta**t`` as ``-expm1(t log beta)``, accurate to a few
-        ulp). Returns the per-step values with those two entries; the new count is stored
-        in the members' state (one tensor shared by them)."""
-        from flame import functional as F
-        from flame.backend import backend as use_backend
-        from flame.creation import tensor
-        from flame.joining import cat
-        from flame.views import reshape
-
+        """Advances the members' step count on the device (in place; not where a
+        GradScaler's found-inf flag is set) and returns the per-step values computed from
+        it there. A count given as a number, or shared with parameters not stepped now,
+        becomes a 0-d float32 tensor of the members' own (exact up to 2**24 steps)."""
         params = [param for param, _ in members]
         count = members[0][1]["step"]
+        sharing = [
+            param for param in group["params"]
+            if (self.state.get(param) or {}).get("step") is count
+        ]  # fmt: skip
         if not isinstance(count, Tensor):
-            with use_backend(params[0].backend):
-                count = tensor(float(count))
-        taken = 1.0 if self._skip_if is None else 1.0 - self._skip_if
-        count = count + taken
-        (beta1, beta2), lr = group["betas"], group["lr"]
-        logs = [math.log(beta) if beta > 0 else -math.inf for beta in (beta1, beta2)]
-        h = scalars(self._values(group, 1), params[0], self._uploads)
-        step_size = lr / -F.expm1(count * logs[0])
-        bc2_sqrt = F.sqrt(-F.expm1(count * logs[1]))
-        parts = [h[:_STEP_SIZE], reshape(step_size, (1,)), reshape(bc2_sqrt, (1,))]
-        h = cat([*parts, h[_BC2_SQRT + 1 :]])
-        realize(h, count)
+            count = new_scalar(float(count), params[0])
+        elif len(sharing) != len(members) and not tracing():
+            count = count.clone().realize()
         for _, state in members:
             state["step"] = count
-        return h
+        count.add_(1.0 if self._skip_if is None else 1.0 - self._skip_if)
+        return self._device_values(group, count, params[0])
 
-    def _values(self, group, step) -> list:
+    def _hyper_values(self, group) -> list:
         lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+        if isinstance(lr, Tensor):
+            lr = 0.0  # read on the device
+        values = self._values(group, 1, lr)
+        logs = [math.log(beta) if beta > 0 else -math.inf for beta in (beta1, beta2)]
+        return [*values, *logs, wd]
+
+    def _device_values(self, group, count: Tensor, like: Tensor) -> Tensor:
+        """The per-step values of step ``count`` (a 0-d device tensor), computed on the
+        device from the group's values there (``_hyper``) in float32: ``1 - beta**t`` as
+        ``-expm1(t log beta)``, accurate to a few ulp."""
+        from flame.joining import stack
+
+        hyper = self._hyper(group, like)
+        lr = lr_tensor(group, like)
+        if lr is None:
+            lr = hyper[_LR]
+        decay = 1.0 - lr * hyper[_WD] if self.decoupled else hyper[_DECAY]
+        step_size = lr / -F.expm1(count * hyper[_LOG_BETA1])
+        bc2_sqrt = F.sqrt(-F.expm1(count * hyper[_LOG_BETA2]))
+        values = [lr, hyper[_BETA1], hyper[_BETA2], hyper[_EPS], hyper[_L2], decay, step_size]
+        return stack([*values, bc2_sqrt, hyper[_SIGN]])
+
+    def _values(self, group, step, lr=None) -> list:
+        lr = group["lr"] if lr is None else lr
+        (beta1, beta2), wd = group["betas"], group["weight_decay"]
         values = [0.0] * 9
         values[_LR], values[_BETA1], values[_BETA2], values[_EPS] = lr, beta1, beta2, group["eps"]
         values[_L2] = 0.0 if self.decoupled else wd
@@ -136,10 +165,10 @@ class Adam(Optimizer):
         if group["amsgrad"]:
             lists.append([s["max_exp_avg_sq"] for s in states])
             rule, h = guarded(self, adam_amsgrad_rule, h, (0, 2, 3, 4))
-            foreach(rule, *lists, scalars=h, into=(0, 2, 3, 4))
+            apply_rule(rule, *lists, scalars=h, into=(0, 2, 3, 4))
         else:
             rule, h = guarded(self, adam_rule, h, (0, 2, 3))
-            foreach(rule, *lists, scalars=h, into=(0, 2, 3))
+            apply_rule(rule, *lists, scalars=h, into=(0, 2, 3))
 
 
 class AdamW(Adam):

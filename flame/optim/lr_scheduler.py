@@ -1,10 +1,23 @@
 """Learning-rate schedules (PyTorch's interface). A schedule only changes ``group["lr"]``;
-the optimizer hands the rate to its kernel as data, so no schedule ever recompiles."""
+the optimizer hands the rate to its kernel as data, so no schedule ever recompiles.
+
+How a new rate reaches a compiled step (``flame.compile`` around ``optimizer.step()``):
+setting ``group["lr"]`` writes the group's values into the device tensor the traced step
+reads (``Optimizer._hyper``, through the group, a ``ParamGroup``); a learning rate that is
+a tensor (``lr=fl.tensor(1e-3)``) is written in place, as PyTorch's ``fill_``. Either way
+the step is not traced again. Call ``scheduler.step()`` outside the compiled function."""
 
 from __future__ import annotations
 
 import abc
 import math
+
+from flame.tensor import Tensor
+
+
+def _number(rate) -> float:
+    """A rate as a number (a tensor rate is read once, when the schedule is made)."""
+    return float(rate.item()) if isinstance(rate, Tensor) else rate
 
 
 class LRScheduler(abc.ABC):
@@ -12,8 +25,8 @@ class LRScheduler(abc.ABC):
         self.optimizer = optimizer
         if last_epoch == -1:
             for group in optimizer.param_groups:
-                group.setdefault("initial_lr", group["lr"])
-        self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+                group.setdefault("initial_lr", _number(group["lr"]))
+        self.base_lrs = [_number(group["initial_lr"]) for group in optimizer.param_groups]
         self.last_epoch = last_epoch
         self.step()
 
@@ -22,10 +35,28 @@ class LRScheduler(abc.ABC):
         """The rate at ``epoch`` for a group whose initial rate is ``base_lr``."""
 
     def step(self) -> None:
+        from flame.optim._common import tracing
+
+        if tracing():
+            from flame.compile import TraceError
+
+            raise TraceError(
+                f"{type(self).__name__}.step() inside a function being compiled: the new rate "
+                "would be fixed when it is traced. Call it outside the compiled step (the "
+                "step reads the rate from the device, no retrace)"
+            )
         self.last_epoch += 1
+        rates = []
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = self.lr_at(base, self.last_epoch)
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+            rate = self.lr_at(base, self.last_epoch)
+            if isinstance(group["lr"], Tensor):  # PyTorch's fill_: in place, read on device
+                from flame.optim._common import write_values
+
+                write_values(group["lr"], rate, getattr(self.optimizer, "_uploads", None))
+            else:
+                group["lr"] = rate
+            rates.append(rate)
+        self._last_lr = rates
 
     def get_last_lr(self) -> list[float]:
         return list(self._last_lr)

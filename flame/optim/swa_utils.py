@@ -8,6 +8,12 @@
 PyTorch's formulas and PyTorch's order of events: the first update copies the model, every
 later one averages; ``n_averaged`` is an int64 buffer (in the state_dict, as PyTorch's).
 
+Inside ``flame.compile``: ``update_parameters`` is traced as in-place writes (the choice
+between copying and averaging made on the device from ``n_averaged``), and the averaging
+functions above write with ``copy_`` while tracing (``flame.optim._common.apply_rule``): an
+``avg_fn`` or ``multi_avg_fn`` of your own must use in-place tensor ops there (not
+``flame.foreach``, which runs at once), and may read ``n_averaged`` as a tensor.
+
 How an update runs. ``get_ema_multi_avg_fn`` and ``get_swa_multi_avg_fn`` give functions that
 update a whole list in place through ``flame.foreach``: on the GPU one multi-tensor kernel per
 dtype group, whatever the number of tensors. Their per-update values sit in a small device
@@ -118,7 +124,7 @@ def get_ema_multi_avg_fn(decay=0.999):
     made: dict[tuple, Tensor] = {}  # (backend, dtype) -> the realized per-update values
 
     def ema_update(ema_param_list, current_param_list, _=None) -> None:
-        from flame.foreach import foreach
+        from flame.optim._common import apply_rule
 
         if not ema_param_list:
             return
@@ -130,7 +136,7 @@ def get_ema_multi_avg_fn(decay=0.999):
             values = [lerp_weight, 1 - lerp_weight, decay, weight]
             h = made[key] = _host_scalars(values, first)
         rule = lerp_rule if _is_float(first) else mix_rule
-        foreach(rule, ema_param_list, current_param_list, scalars=h, into=(0,))
+        apply_rule(rule, ema_param_list, current_param_list, scalars=h, into=(0,))
 
     return ema_update
 
@@ -142,14 +148,14 @@ def get_swa_multi_avg_fn():
     uploads = StagedUploads()
 
     def swa_update(averaged_param_list, current_param_list, num_averaged) -> None:
-        from flame.foreach import foreach
+        from flame.optim._common import apply_rule
 
         if not averaged_param_list:
             return
         first = averaged_param_list[0]
         h = _swa_scalars(num_averaged, first, uploads)
         rule = lerp_rule if _is_float(first) else mix_rule
-        foreach(rule, averaged_param_list, current_param_list, scalars=h, into=(0,))
+        apply_rule(rule, averaged_param_list, current_param_list, scalars=h, into=(0,))
 
     return swa_update
 
@@ -165,7 +171,9 @@ def _swa_scalars(num_averaged, like: Tensor, uploads) -> Tensor:
         return stack([weight, 1.0 - weight, 1.0 - weight, weight])
     weight = 1.0 / (float(num_averaged) + 1.0)
     values = [weight, 1.0 - weight, 1.0 - weight, weight]
-    if dtype is dtypes.float32:
+    from flame.optim._common import tracing
+
+    if dtype is dtypes.float32 and not tracing():  # a staged upload is not memory to keep
         from flame.optim._common import scalars
 
         return scalars(values, like, uploads)
@@ -296,6 +304,11 @@ class AveragedModel(Module):
             self._update(model)
 
     def _update(self, model: Module) -> None:
+        from flame.optim._common import tracing
+
+        if tracing():
+            self._update_traced(model)
+            return
         averaged, current = self._pairs(model, self.use_buffers)
         if self._count is None:
             self._count = int(self.n_averaged.item())
@@ -313,6 +326,31 @@ class AveragedModel(Module):
         self.n_averaged.add_(1)
         self._count += 1
 
+    def _update_traced(self, model: Module) -> None:
+        """Inside a ``flame.compile``d function: the update as in-place writes the program
+        repeats at every call, so "copy on the first update, average after" is decided on
+        the device, from ``n_averaged`` (the average is computed, then the model's value
+        selected where the count is 0), and the host copy of the count is dropped."""
+        from flame.functional import where
+
+        averaged, current = self._pairs(model, self.use_buffers)
+        first = self.n_averaged == 0
+        groups = _groups(averaged, current)
+        if self.multi_avg_fn is not None or self.avg_fn is None:
+            average = self.multi_avg_fn or get_swa_multi_avg_fn()
+            for group_averaged, group_current in groups:
+                average(group_averaged, group_current, self.n_averaged)
+        else:
+            self._average_one_by_one(averaged, current)
+        for group_averaged, group_current in groups:
+            for mine, theirs in zip(group_averaged, group_current):
+                mine.copy_(where(first, theirs, mine))
+        if not self.use_buffers:
+            for mine, theirs in zip(*self._buffer_pairs(model)):
+                mine.copy_(_on(theirs, mine))
+        self.n_averaged.add_(1)
+        self._count = None  # the program counts: read the buffer at the next lazy update
+
     def _buffer_pairs(self, model: Module):
         mine, theirs = list(self.module.buffers()), list(model.buffers())
         if len(mine) != len(theirs):
@@ -323,14 +361,14 @@ class AveragedModel(Module):
         return mine, theirs
 
     def _copy(self, groups) -> None:
-        from flame.foreach import foreach
+        from flame.optim._common import apply_rule
 
         for group_averaged, group_current in groups:
             like = group_averaged[0]
             if self._copy_values is None or self._copy_values.backend != like.backend:
                 self._copy_values = _host_scalars([1.0, 0.0, 0.0, 1.0], like, dtypes.float32)
-            foreach(copy_rule, group_averaged, group_current, scalars=self._copy_values,
-                    into=(0,))  # fmt: skip
+            apply_rule(copy_rule, group_averaged, group_current, scalars=self._copy_values,
+                       into=(0,))  # fmt: skip
 
     def _average_one_by_one(self, averaged, current) -> None:
         from flame.autograd import no_grad
