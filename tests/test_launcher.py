@@ -349,6 +349,50 @@ def test_a_gloo_rank_that_fails_stops_the_one_waiting_in_all_reduce(tmp_path):
     assert_all_gone(tmp_path, expected=2)
 
 
+NCCL_WORLD = """
+import datetime
+import numpy as np
+import flame as fl
+import flame.distributed as dist
+
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60))
+if rank == 1 and "--fail" in sys.argv:
+    raise RuntimeError("rank 1 gave up before all_reduce")
+values = fl.tensor(np.arange(4, dtype=np.float32)) * float(rank + 1)
+dist.all_reduce(values)  # with --fail, rank 0 waits here inside NCCL, which never times out
+print(json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(),
+                  "sum": values.tolist()}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.gpu
+def test_an_nccl_world_of_every_gpu_through_the_launcher(tmp_path):
+    world = launch.visible_gpu_count()
+    write_script(tmp_path, NCCL_WORLD)
+    result = flame_run(tmp_path, "--nproc-per-node", "gpu", "job.py", FLAME_BACKEND="cuda")
+    assert result.returncode == 0, result.stderr
+    total = world * (world + 1) / 2
+    for rank in range(world):
+        reported = json.loads(rank_lines(result.stdout, rank)[-1])
+        assert reported == {"rank": rank, "world": world, "sum": [0.0, total, 2 * total, 3 * total]}
+
+
+@pytest.mark.gpu
+def test_an_nccl_rank_that_fails_stops_the_one_waiting_in_nccl(tmp_path):
+    if launch.visible_gpu_count() < 2:
+        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one GPU")
+    write_script(tmp_path, NCCL_WORLD)
+    started = time.monotonic()
+    options = ["--nproc-per-node", "2", "job.py", "--fail"]
+    result = flame_run(tmp_path, *options, FLAME_BACKEND="cuda")
+    assert time.monotonic() - started < 50  # not the group's 60 s timeout
+    assert result.returncode == 1, result.stderr
+    report = result.stderr.split("flame run: rank 1 (local rank 1, pid ")[1]
+    assert "[rank1]: RuntimeError: rank 1 gave up before all_reduce" in report
+    assert_all_gone(tmp_path, expected=2)
+
+
 # --- bad input and help ----------------------------------------------------------------------
 def test_missing_script_is_a_clear_error(tmp_path):
     result = flame_run(tmp_path, "--nproc-per-node", "2", "no_such_script.py")
