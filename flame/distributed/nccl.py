@@ -29,10 +29,12 @@ import time
 
 from flame.distributed import functional
 from flame.distributed.store import DistributedError, DistributedTimeout, TCPStore
+from flame.ir.views import MOVEMENT_OPS
 from flame.runtime import library_nccl  # registers the collectives' launches
 from flame.tensor import Tensor
 
 _ID_KEY = "nccl/id"
+_VIEW_OPS = (*MOVEMENT_OPS, "detach")
 
 
 def _local_rank() -> int | None:
@@ -176,4 +178,17 @@ def _issued(result: Tensor) -> Tensor:
 
 
 def _write(target: Tensor, result: Tensor) -> None:
+    """``target.copy_(result)``, with the collective queued at the call outside
+    ``flame.compile``. A lazy target (a value with no memory, not a leaf) comes to stand for
+    the collective's result itself, as ``copy_`` would make it, without copy_'s extra node."""
+    from flame.compile import current_trace
+
+    node = target.node
+    if current_trace() is not None:
+        target.copy_(result)
+        return
+    lazy = node.buffer is None and node.op not in ("buffer", *_VIEW_OPS)
+    if lazy and node.grad_info is None:
+        target.node = _issued(result).node
+        return
     target.copy_(_issued(result))
