@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,41 +31,39 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_world(scenario: str, world_size: int, tmp_path: Path):
-    """{rank: (returncode, output)}; a second try where another process took the port."""
+def run_world(scenario: str, world_size: int) -> dict:
+    """{rank: (returncode, output)}; a new port where another process took the port."""
     for _ in range(3):
-        results = _run_world_once(scenario, world_size, tmp_path)
+        port, processes = free_port(), {}
+        for rank in range(world_size):
+            environment = dict(os.environ, FLAME_BACKEND="reference", RANK=str(rank))
+            environment.update(WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
+            environment.update(MASTER_PORT=str(port))
+            processes[rank] = subprocess.Popen(
+                [sys.executable, __file__, scenario],
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        deadline, results = time.monotonic() + WORLD_DEADLINE_S, {}
+        try:
+            for rank, process in processes.items():
+                output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+                results[rank] = (process.returncode, output)
+        except subprocess.TimeoutExpired:
+            for process in processes.values():
+                process.kill()
+            outputs = {rank: process.communicate()[0] for rank, process in processes.items()}
+            pytest.fail(f"{scenario}: the world hung past {WORLD_DEADLINE_S}s: {outputs}")
         if not any("is the port in use" in output for _, output in results.values()):
             break
     return results
 
 
-def _run_world_once(scenario, world_size, tmp_path):
-    port = free_port()
-    processes = {}
-    for rank in range(world_size):
-        environment = dict(os.environ, FLAME_BACKEND="reference", RANK=str(rank))
-        environment.update(WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
-        environment.update(MASTER_PORT=str(port), FLAME_TEST_DIR=str(tmp_path))
-        processes[rank] = subprocess.Popen(
-            [sys.executable, __file__, scenario],
-            env=environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    deadline = time.monotonic() + WORLD_DEADLINE_S
-    results = {}
-    try:
-        for rank, process in processes.items():
-            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            results[rank] = (process.returncode, output)
-    except subprocess.TimeoutExpired:
-        for process in processes.values():
-            process.kill()
-        outputs = {rank: process.communicate()[0] for rank, process in processes.items()}
-        pytest.fail(f"{scenario}: the world hung past {WORLD_DEADLINE_S}s; outputs: {outputs}")
-    return results
+def assert_all_passed(results: dict) -> None:
+    failed = {rank: output for rank, (code, output) in results.items() if code != 0}
+    assert not failed, f"ranks failed: {failed}"
 
 
 # --- models and data (the same in every rank) --------------------------------------------------
@@ -94,13 +91,8 @@ def make_convnet(seed: int):
     import flame.nn as nn
 
     fl.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, stride=2),
-        nn.Flatten(),
-        nn.Linear(16, 3),
-    )
+    layers = [nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2)]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(16, 3))
 
 
 def batch(size: int, shape, seed: int):
@@ -169,8 +161,8 @@ def scenario_train():
     model = make_mlp(seed=100 + rank)
     model.scale.fill_(float(rank + 1))
     start = make_mlp(seed=100)
-    same = [np.array_equal(p.numpy(), q.numpy()) for p, q in zip(model.parameters(), start.parameters())]  # fmt: skip
-    assert all(same) == (rank == 0), same
+    pairs = zip(model.parameters(), start.parameters())
+    assert all(np.array_equal(p.numpy(), q.numpy()) for p, q in pairs) == (rank == 0)
     ddp = DDP(model)
     for (name, p), q in zip(model.named_parameters(), start.parameters()):
         np.testing.assert_array_equal(p.numpy(), q.numpy(), err_msg=name)
@@ -287,9 +279,7 @@ def scenario_unused():
         if name.startswith("never"):
             assert p.grad is None, name  # unused on every rank: left alone, as PyTorch
             continue
-        contributions = [
-            dict(r.named_parameters())[name].grad for r in per_rank
-        ]  # fmt: skip
+        contributions = [dict(r.named_parameters())[name].grad for r in per_rank]
         expected = sum(g.numpy() for g in contributions if g is not None) / world
         np.testing.assert_allclose(p.grad.numpy(), expected, err_msg=name, **TOLERANCE)
 
@@ -321,22 +311,18 @@ def scenario_mismatch():
 # --- the tests: worlds ------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_training_matches_one_process_over_the_whole_batch(world_size, tmp_path):
-    results = run_world("train", world_size, tmp_path)
-    failed = {rank: output for rank, (code, output) in results.items() if code != 0}
-    assert not failed, f"ranks failed: {failed}"
+def test_ddp_training_matches_one_process_over_the_whole_batch(world_size):
+    assert_all_passed(run_world("train", world_size))
 
 
 @pytest.mark.slow
-def test_ddp_unused_parameters(tmp_path):
-    results = run_world("unused", 2, tmp_path)
-    failed = {rank: output for rank, (code, output) in results.items() if code != 0}
-    assert not failed, f"ranks failed: {failed}"
+def test_ddp_unused_parameters():
+    assert_all_passed(run_world("unused", 2))
 
 
 @pytest.mark.slow
-def test_ddp_model_mismatch_fails_on_every_rank_naming_the_parameter(tmp_path):
-    results = run_world("mismatch", 3, tmp_path)
+def test_ddp_model_mismatch_fails_on_every_rank_naming_the_parameter():
+    results = run_world("mismatch", 3)
     for rank, (code, output) in results.items():
         assert code != 0, f"rank {rank} passed: {output}"
         assert "the model differs across ranks" in output, output
@@ -348,3 +334,189 @@ def test_ddp_model_mismatch_fails_on_every_rank_naming_the_parameter(tmp_path):
 
 if __name__ == "__main__":
     globals()[f"scenario_{sys.argv[1]}"]()
+
+
+# --- in this process: buckets, hooks, the sampler, bad input ---------------------------------
+def _params(specs):
+    import flame as fl
+
+    with fl.backend("reference"):
+        return [fl.zeros(count, dtype=getattr(fl, dtype)) for count, dtype in specs]
+
+
+BUCKET_CASES = [
+    ([(3, "float32"), (100, "float32"), (5, "float64"), (300, "float32")], [400, 1000]),
+    ([(50, "float32")] * 12 + [(7, "float16"), (900, "float16")], [256, 600]),
+    ([(1, "float32")] * 5, [1000]),
+    ([(1000, "float32"), (10, "bfloat16"), (1000, "float32")], [64]),
+]
+
+
+@pytest.mark.parametrize("specs,limits", BUCKET_CASES)
+def test_bucket_assignment_is_pytorchs(specs, limits):
+    torch = pytest.importorskip("torch", reason="the oracle is PyTorch's reducer")
+    import torch.distributed as torch_dist
+
+    from flame.nn.parallel.reducer import assign_buckets
+
+    if not torch_dist.is_available():
+        pytest.skip("this PyTorch build has no torch.distributed")
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes.update(float32=torch.float32, float64=torch.float64)
+    tensors = [torch.zeros(count, dtype=dtypes[dtype]) for count, dtype in specs]
+    order = list(reversed(range(len(tensors))))  # gradient-ready order, as after a rebuild
+    expected, _ = torch_dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], limits, [False] * len(tensors), order
+    )
+    buckets = assign_buckets(_params(specs), limits)
+    # the same buckets; PyTorch lists the buckets left open at the end in hash order
+    assert sorted(bucket.indices for bucket in buckets) == sorted(list(b) for b in expected)
+
+
+def test_bucket_assignment_rules_without_torch():
+    from flame.nn.parallel.reducer import assign_buckets
+
+    specs = [(100, "float32")] * 6 + [(10, "float64"), (10, "float32")]
+    buckets = assign_buckets(_params(specs), [200, 800])
+    # reverse order; a bucket closes once it holds its limit: the first float32 bucket's is
+    # 200 bytes, the later ones' 800; the float64 parameter never shares a float32 bucket;
+    # the buckets still open at the end come last
+    assert [b.indices for b in buckets] == [[7, 5], [4, 3], [2, 1], [0], [6]]
+    assert [b.offsets for b in buckets] == [[0, 10], [0, 100], [0, 100], [0], [0]]
+    assert [b.numel for b in buckets] == [110, 200, 200, 100, 10]
+
+
+def test_post_accumulate_grad_hook(reference_backend):
+    import flame as fl
+
+    weight = fl.tensor(np.array([1.0, 2.0], np.float32)).requires_grad_()
+    seen = []
+    handle = weight.register_post_accumulate_grad_hook(
+        lambda tensor: seen.append((tensor is weight, tensor.grad.tolist()))
+    )
+    (weight * 3).sum().backward()
+    (weight * weight).sum().backward()  # accumulated: the hook sees the sum
+    assert seen == [(True, [3.0, 3.0]), (True, [5.0, 7.0])]
+    handle.remove()
+    weight.sum().backward()
+    assert len(seen) == 2
+    with pytest.raises(RuntimeError, match="non-leaf"):
+        (weight * 2).register_post_accumulate_grad_hook(lambda tensor: None)
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):
+        fl.ones(2).register_post_accumulate_grad_hook(lambda tensor: None)
+    weight.register_post_accumulate_grad_hook(lambda tensor: tensor.grad)
+    with pytest.raises(RuntimeError, match="should return None"):
+        weight.sum().backward()
+
+
+@pytest.fixture
+def world_of_one(reference_backend):
+    import flame.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_of_one_and_bad_input(world_of_one):
+    import flame as fl
+    import flame.nn as nn
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_mlp(seed=3)
+    ddp = DDP(model, bucket_cap_mb=0.0002)
+    inputs, targets = batch(4, (6,), seed=8)
+    loss_of(ddp, inputs, targets).backward()
+    assert_grads_equal(model, full_batch_reference(make_mlp, 3, inputs, targets), "world of 1")
+
+    step = fl.compile(lambda x: ddp(x).sum())
+    with pytest.raises(RuntimeError, match="inside flame.compile is not supported"):
+        step(inputs)
+    with pytest.raises(ValueError, match="device_ids and output_device arguments only work"):
+        DDP(make_mlp(seed=3), device_ids=[0])
+    with pytest.raises(ValueError, match="device_ids can only be None or contain a single"):
+        DDP(make_mlp(seed=3), device_ids=[0, 1])
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a grad"):
+        DDP(frozen)
+    with pytest.raises(NotImplementedError, match="only the default process group"):
+        DDP(make_mlp(seed=3), process_group=object())
+    with pytest.raises(TypeError, match="expected a flame.nn.Module"):
+        DDP(lambda x: x)
+
+
+def test_ddp_without_a_process_group(reference_backend):
+    from flame.nn.parallel import DistributedDataParallel as DDP
+    from flame.utils.data import DistributedSampler
+
+    with pytest.raises(RuntimeError, match="has not been initialized"):
+        DDP(make_mlp(seed=0))
+    with pytest.raises(RuntimeError, match="has not been initialized"):
+        DistributedSampler(range(10))
+
+
+SAMPLER_CASES = [
+    (size, replicas, shuffle, drop_last)
+    for size in (0, 1, 7, 10, 23)
+    for replicas in (1, 3, 4)
+    for shuffle in (False, True)
+    for drop_last in (False, True)
+]
+
+
+@pytest.mark.parametrize("size,replicas,shuffle,drop_last", SAMPLER_CASES)
+def test_distributed_sampler_is_pytorchs(size, replicas, shuffle, drop_last):
+    torch_data = pytest.importorskip("torch.utils.data", reason="the oracle is PyTorch's")
+    from flame.utils.data import DistributedSampler
+
+    for rank in range(replicas):
+        for epoch in (0, 5):
+            mine = DistributedSampler(range(size), replicas, rank, shuffle, 17, drop_last)
+            theirs = torch_data.DistributedSampler(
+                range(size), replicas, rank, shuffle, 17, drop_last
+            )
+            mine.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(mine) == list(theirs) and len(mine) == len(theirs)
+
+
+def test_distributed_sampler_rules_without_torch():
+    from flame.utils import data
+    from flame.utils.data.distributed import DistributedSampler
+
+    assert data.DistributedSampler is DistributedSampler and issubclass(
+        DistributedSampler, data.Sampler
+    )
+    shares = [list(DistributedSampler(range(10), 4, rank, shuffle=False)) for rank in range(4)]
+    # padded with the first indices to 12, then every 4th from the rank
+    padded = list(range(10)) + [0, 1]
+    assert shares == [padded[rank::4] for rank in range(4)]
+    for rank in range(4):
+        dropped = DistributedSampler(range(10), 4, rank, shuffle=False, drop_last=True)
+        assert list(dropped) == list(range(8))[rank::4]
+
+    def epoch_order(seed, epoch):
+        samplers = [DistributedSampler(range(50), 3, rank, seed=seed) for rank in range(3)]
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        return [list(sampler) for sampler in samplers]
+
+    order = epoch_order(seed=4, epoch=0)
+    assert [len(share) for share in order] == [17] * 3
+    flat = [index for share in zip(*order) for index in share]  # undo the striding
+    assert sorted(flat[:50]) == list(range(50)) and flat[50:] == flat[:1]
+    assert flat[:50] != list(range(50))  # shuffled
+    assert epoch_order(seed=4, epoch=0) == order  # the same on every call and every rank
+    assert epoch_order(seed=4, epoch=1) != order and epoch_order(seed=5, epoch=0) != order
+    with pytest.raises(
+        ValueError, match=r"Invalid rank 3, rank should be in the interval \[0, 2\]"
+    ):
+        DistributedSampler(range(5), num_replicas=3, rank=3)
