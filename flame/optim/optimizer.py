@@ -327,7 +327,7 @@ def _own_tensor(host: np.ndarray, like: Tensor) -> Tensor:
     from flame.backend import backend
     from flame.creation import tensor as make_tensor
 
-    array = np.ascontiguousarray(np.asarray(host).reshape(like.shape))
+    array = np.array(np.asarray(host).reshape(like.shape), order="C")  # keeps 0-d (not [1])
     with backend(like.backend):
         return make_tensor(array, dtype=like.dtype).realize()
 
