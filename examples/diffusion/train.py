@@ -9,9 +9,11 @@
 The data are scikit-learn's handwritten digits upsampled to 32x32 (or ``--data DIR``, one
 subfolder per class). One training step -- the forward pass and the loss at random
 timesteps (drawn, with the noise and the label dropout of classifier-free guidance, from a
-FLAME generator inside the step), the backward pass, gradient clipping, AdamW with its
-warm-up, and the EMA of the weights -- is a single ``fl.compile``d function: traced once,
-then replayed with no Python per parameter. Every ``--save-every`` steps a safetensors
+FLAME generator inside the step), the backward pass, gradient clipping, ``opt.step()`` of
+``fl.optim.AdamW`` and ``ema.update_parameters(model)`` -- is a single ``fl.compile``d
+function, as a PyTorch user writes it: traced once, then replayed with no Python per
+parameter. The learning-rate warm-up is a ``LambdaLR`` stepped between compiled steps (the
+step reads the rate from the device: no retrace). Every ``--save-every`` steps a safetensors
 checkpoint (model, EMA, optimizer, step, generator and data-order state) is written
 atomically to ``--out``; ``--resume`` continues from the last one with the numbers an
 uninterrupted run would have had. At the end the EMA weights are sampled (DDPM or DDIM),
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -141,72 +142,29 @@ def default_builder(name, image_size, in_channels, num_classes, size, **override
     return build_model(name, image_size, in_channels, num_classes, size, **overrides)
 
 
-class DeviceAdamW:
-    """AdamW (PyTorch's update, as ``fl.optim.AdamW``'s) written with FLAME ops on the
-    optimizer's own state, so that it can run inside a compiled step: ``fl.optim.AdamW.step``
-    launches its multi-tensor kernel at once and cannot be traced. The step count lives in
-    a 0-d device tensor, and the learning rate with its linear warm-up and the bias
-    corrections are computed from it on the device: nothing per step comes from the host.
-    The state is the optimizer's (``exp_avg``, ``exp_avg_sq``, ``step``), so the optimizer's
-    ``state_dict`` and checkpoints keep PyTorch's layout."""
+class Warmup:
+    """The learning-rate factor of step ``epoch`` (0-based): linear warm-up over ``steps``
+    steps, then 1 (``LambdaLR``'s ``lr_lambda``; a class, not a lambda, so it pickles)."""
 
-    def __init__(self, optimizer: fl.optim.AdamW, warmup: int):
-        self.optimizer, self.warmup = optimizer, max(int(warmup), 1)
-        group = optimizer.param_groups[0]
-        self.lr, self.weight_decay, self.eps = group["lr"], group["weight_decay"], group["eps"]
-        self.betas = group["betas"]
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        steps = 0.0
-        for param in self.params:
-            state = optimizer.state.setdefault(param)
-            if "exp_avg" not in state:
-                state["exp_avg"] = fl.zeros_like(param).realize()
-                state["exp_avg_sq"] = fl.zeros_like(param).realize()
-            steps = float(state.get("step", 0.0))
-        self.count = fl.tensor(steps).realize()  # float32: exact up to 2^24 steps
+    def __init__(self, steps: int):
+        self.steps = max(int(steps), 1)
 
-    def lr_at(self, count):
-        """The learning rate of step ``count`` (1-based): linear warm-up, then constant."""
-        return self.lr * fl.clamp(count / self.warmup, max=1.0)
-
-    def step_(self) -> fl.Tensor:
-        """One update of every parameter with a gradient, in place; returns the rate used."""
-        beta1, beta2 = self.betas
-        self.count.add_(1.0)
-        lr = self.lr_at(self.count)
-        step_size = lr / -fl.expm1(self.count * math.log(beta1))  # lr / (1 - beta1^t)
-        bias2_sqrt = fl.sqrt(-fl.expm1(self.count * math.log(beta2)))
-        decay = 1.0 - lr * self.weight_decay
-        for param in self.params:
-            if param.grad is None:
-                continue
-            state = self.optimizer.state[param]
-            grad = param.grad.float()
-            state["exp_avg"].lerp_(grad, 1.0 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-            denominator = state["exp_avg_sq"].sqrt() / bias2_sqrt + self.eps
-            param.mul_(decay).sub_(step_size * state["exp_avg"] / denominator)
-        return lr
-
-    def sync_state(self) -> None:
-        """Put the step count into the optimizer's state as a number (PyTorch's layout)."""
-        steps = float(self.count.item())
-        for param in self.params:
-            self.optimizer.state[param]["step"] = steps
+    def __call__(self, epoch: int) -> float:
+        return min(1.0, (epoch + 1) / self.steps)
 
 
-def ema_update_(ema: AveragedModel, model: nn.Module, decay: float) -> None:
-    """``ema = lerp(ema, model, 1 - d)`` with ``d = min(decay, (1 + n) / (10 + n))`` after
-    ``n`` updates: the warm-up keeps the average from clinging to the random
-    initialisation for the ~1/(1-decay) steps a fixed 0.9999 would need. In place, on the
-    device (traceable, unlike ``AveragedModel.update_parameters``, which launches kernels)."""
-    count = ema.n_averaged.float()
-    weight = 1.0 - fl.clamp((1.0 + count) / (10.0 + count), max=decay)
-    for averaged, current in zip(ema.module.parameters(), model.parameters()):
-        averaged.lerp_(current.detach(), weight)
-    for averaged, current in zip(ema.module.buffers(), model.buffers()):
-        averaged.copy_(current)
-    ema.n_averaged.add_(1)
+def ema_with_warmup(decay: float):
+    """``AveragedModel``'s ``avg_fn`` for an EMA whose decay warms up: ``min(decay, (1 + n) /
+    (10 + n))`` after ``n`` updates, so the average does not cling to the first weights for
+    the ~1/(1-decay) steps a fixed 0.9999 would need. ``n`` is the model's ``n_averaged``,
+    read on the device inside the compiled step (the first update copies, as PyTorch's)."""
+
+    def average(averaged, current, num_averaged):
+        count = num_averaged.float()
+        weight = 1.0 - fl.clamp((1.0 + count) / (10.0 + count), max=decay)
+        return averaged + weight * (current - averaged)
+
+    return average
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -241,21 +199,29 @@ class Trainer:
         overrides = {"checkpoint": True} if options.checkpoint_blocks else {}
         self.model = build(config["model"], config["image_size"], config["channels"],
                            config["num_classes"], config["size"], **overrides)  # fmt: skip
-        self.ema = AveragedModel(self.model)
+        self.ema = AveragedModel(self.model, avg_fn=ema_with_warmup(options.ema))
         self.ema.requires_grad_(False)
         self.optimizer = fl.optim.AdamW(
             self.model.parameters(), lr=options.lr, weight_decay=options.weight_decay
         )
+        # the warm-up: a schedule stepped after each compiled step; the step reads the rate
+        # from the device (flame/optim/lr_scheduler.py), so a new rate is no retrace
+        self.scheduler = fl.optim.lr_scheduler.LambdaLR(self.optimizer, Warmup(options.warmup))
         self.generator = fl.Generator().manual_seed(options.seed + 1)
         self.schedule = make_schedule(config["schedule"])
         self.step, self.losses = 0, []
-        self.adamw = None
+        self.compiled = None
 
     def prepare(self) -> None:
-        """Build the device optimizer and the compiled step (after any checkpoint load: a
-        load gives the optimizer new state tensors, which the step must close over)."""
-        self.adamw = DeviceAdamW(self.optimizer, self.options.warmup)
+        """Build the compiled step (before or after a checkpoint load: a load writes into the
+        tensors the step reads)."""
         self.compiled = fl.compile(self.train_step)
+
+    def run_step(self, images, labels):
+        """One compiled step, then the schedule's step (outside it, as in PyTorch)."""
+        result = self.compiled(images, labels)
+        self.scheduler.step()
+        return result
 
     def train_step(self, images, labels):
         """One whole training step; traced once by ``fl.compile``, then replayed."""
@@ -267,16 +233,14 @@ class Trainer:
                 generator=self.generator,
             )  # fmt: skip
         loss.backward()
-        params = self.adamw.params
         if options.grad_clip > 0:
-            norm = nn.utils.clip_grad_norm_(params, options.grad_clip)
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), options.grad_clip)
         else:
             norm = fl.zeros(())
-        with fl.no_grad():
-            lr = self.adamw.step_()
-            ema_update_(self.ema, self.model, options.ema)
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # no gradient leaves the program
-        return loss.detach(), norm.detach(), lr
+        self.ema.update_parameters(self.model)
+        return loss.detach(), norm.detach()
 
     # --- checkpoints ---
 
@@ -285,7 +249,6 @@ class Trainer:
         renames): a run killed mid-write leaves the previous checkpoint as the last one."""
         from flame.io import save_checkpoint
 
-        self.adamw.sync_state()
         path = directory / f"ckpt-{self.step:08d}.safetensors"
         extra = {
             "config": self.config,
@@ -308,6 +271,9 @@ class Trainer:
             raise CheckpointError(message) from error
         extra = state["extra"]
         self.step = int(state["step"])
+        # the warm-up is a function of the step: the schedule is put there, not saved
+        self.scheduler.last_epoch = self.step - 1
+        self.scheduler.step()
         self.losses = list(extra.get("losses", []))
         self.generator.set_state(np.array(extra["generator"], dtype=np.int64))
         if loader is not None:
@@ -430,7 +396,7 @@ def run_steps(trainer: Trainer, loader, options) -> dict:
     for index in range(trainer.step, options.steps):
         images, labels = next(loader)
         clock = time.perf_counter()
-        loss, _, _ = trainer.compiled(images, labels)
+        loss, _ = trainer.run_step(images, labels)
         meter.stepped(clock, loss)
         pending.append(loss)
         trainer.step = index + 1
