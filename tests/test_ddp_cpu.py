@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -520,3 +521,84 @@ def test_distributed_sampler_rules_without_torch():
         ValueError, match=r"Invalid rank 3, rank should be in the interval \[0, 2\]"
     ):
         DistributedSampler(range(5), num_replicas=3, rank=3)
+
+
+@pytest.fixture
+def nccl_stand_in(monkeypatch):
+    """The default group is an nccl group of a world of one that lets reference tensors
+    through (as tests/test_distributed_nccl.py's): DDP's nccl path, lazy collectives and
+    flame.compile included, runs on the CPU; no communicator is ever reached."""
+    import flame as fl
+    import flame.distributed as dist
+    from flame.distributed.nccl import NcclGroup
+    from flame.runtime import reference
+
+    group = NcclGroup.__new__(NcclGroup)
+    group.rank, group.world_size, group.timeout, group.aborted = 0, 1, 5.0, None
+    group.name = "nccl-stand-in"
+    monkeypatch.setattr(group, "_check", lambda name, tensor: group.check_alive(name))
+    monkeypatch.setattr(dist, "_default_group", dist._ProcessGroup("nccl", None, group))
+    # the shape of every all-reduce the reference backend computes; ``shift`` is added to
+    # their results, so a gradient that did not come out of one shows
+    seen = SimpleNamespace(calls=[], shift=0.0)
+    original = reference._evaluate_node
+
+    def counted(node, *args):
+        if node.op != "all_reduce":
+            return original(node, *args)
+        seen.calls.append(node.shape)
+        return original(node, *args) + np.asarray(seen.shift, node.dtype.numpy)
+
+    monkeypatch.setattr(reference, "_evaluate_node", counted)
+    with fl.backend("reference"):
+        yield seen
+
+
+def test_ddp_on_nccl_eager_and_inside_compile(nccl_stand_in):
+    import flame as fl
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    calls = nccl_stand_in.calls
+    ddp = DDP(make_mlp(seed=3), bucket_cap_mb=0.0002)
+    buckets = len(ddp._bucket_names())
+    inputs, targets = batch(4, (6,), seed=8)
+    loss_of(ddp, inputs, targets).backward()  # eager: every bucket's all-reduce in one schedule
+    assert [list(shape) for shape in calls] == [
+        [sum(dict(ddp.module.named_parameters())[name].numel() for name in names)]
+        for names in ddp._bucket_names()
+    ]
+    assert_grads_equal(ddp.module, full_batch_reference(make_mlp, 3, inputs, targets), "eager")
+
+    @fl.compile
+    def step(x, y):
+        loss = loss_of(ddp, x, y)
+        loss.backward()
+        return loss
+
+    nccl_stand_in.shift = 0.25
+    for seed in (9, 10, 11):
+        calls.clear()
+        ddp.zero_grad()
+        inputs, targets = batch(4, (6,), seed=seed)
+        with ddp.no_sync():  # traced once, replayed: the program always averages
+            step(inputs, targets)
+        assert len(calls) == buckets, calls
+        expected = make_mlp(seed=0)
+        expected.load_state_dict(ddp.module.state_dict())
+        loss_of(expected, inputs, targets).backward()
+        for p in expected.parameters():
+            p.grad = p.grad + 0.25
+        assert_grads_equal(ddp.module, expected, f"compiled, batch {seed}")
+    assert step.cache_info().traces == 1
+
+    class Partial(fl.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = fl.nn.Linear(6, 3), fl.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    partial = DDP(Partial())
+    with pytest.raises(RuntimeError, match="not used: spare.weight, spare.bias"):
+        fl.compile(lambda x, y: loss_of(partial, x, y).backward() or x.sum())(inputs, targets)

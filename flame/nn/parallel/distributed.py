@@ -11,8 +11,13 @@ names, shapes, dtypes) and takes rank 0's parameters and buffers. Each synchroni
 and arms the reducer, which averages the gradients of the following ``backward()`` in
 buckets (reducer.py says how, and what FLAME's lazy backward means for overlap).
 
-Not inside ``flame.compile``: the collectives of the CPU backend read values, which a traced
-function does not have, so DDP refuses to be traced instead of skipping the averaging.
+Inside ``flame.compile`` (the whole step, forward and backward, traced together) on the
+``nccl`` backend, the buffer broadcast and the buckets' all-reduces are IR nodes of the
+program, planned once and replayed at every call. There ``no_sync()`` does not skip the
+communication (the program is traced once and replayed whatever the context); the gradients
+are still right, since averaging each micro-batch's gradient and then summing is the same as
+averaging the sum. The ``gloo`` backend's collectives read values, which a traced function
+does not have: DDP refuses to be traced there instead of skipping the averaging.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ _MB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
 
 
-def _refuse_tracing(what: str) -> None:
-    if current_trace() is not None:
-        raise RuntimeError(
-            f"DistributedDataParallel: {what} inside flame.compile is not supported: its "
-            "collectives (buffer broadcast, gradient all-reduce) run eagerly and read the "
-            "tensors' values, which a function being traced does not have. Call the "
-            "DistributedDataParallel module and backward() outside the compiled function."
-        )
+def _refuse_tracing(what: str, unless_nccl: bool) -> None:
+    if current_trace() is None or (unless_nccl and dist.get_backend() == "nccl"):
+        return
+    backend = "" if not unless_nccl else f" on the {dist.get_backend()} backend"
+    raise RuntimeError(
+        f"DistributedDataParallel: {what} inside flame.compile is not supported{backend}: "
+        "its collectives run eagerly and read the tensors' values, which a function being "
+        "traced does not have. Call the DistributedDataParallel module and backward() "
+        "outside the compiled function"
+        + (" (or use the nccl backend, whose collectives are IR ops)." if unless_nccl else ".")
+    )
 
 
 class DistributedDataParallel(Module):
@@ -63,7 +71,7 @@ class DistributedDataParallel(Module):
         static_graph: bool = False,
     ):
         super().__init__()
-        _refuse_tracing("wrapping a module")
+        _refuse_tracing("wrapping a module", unless_nccl=False)
         if not isinstance(module, Module):
             raise TypeError(
                 f"DistributedDataParallel: expected a flame.nn.Module, got {type(module).__name__}"
@@ -123,8 +131,9 @@ class DistributedDataParallel(Module):
         ]
 
     def forward(self, *inputs, **kwargs):
-        _refuse_tracing("the forward")
-        synchronized = is_grad_enabled() and self.require_backward_grad_sync
+        _refuse_tracing("the forward", unless_nccl=True)
+        tracing = current_trace() is not None
+        synchronized = is_grad_enabled() and (self.require_backward_grad_sync or tracing)
         if synchronized:
             self._reducer.prepare_for_forward()
         if self.require_forward_param_sync and self.broadcast_buffers:

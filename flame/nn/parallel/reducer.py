@@ -114,20 +114,31 @@ class Reducer:
         """Arm the hooks; with ``find_unused_parameters``, the parameters the outputs do not
         depend on count as ready now (they add zeros, or the gradient they hold)."""
         self.armed, self.ready, self.seen_grad = True, set(), False
-        if self.find_unused:
-            reached = {id(node) for node in _walk([out.node for out in outputs])}
-            self.ready = {
-                index for index, param in enumerate(self.params) if id(param.node) not in reached
-            }
+        tracing = current_trace() is not None
+        if not (self.find_unused or tracing):
+            return
+        reached = {id(node) for node in _walk([out.node for out in outputs])}
+        unused = {index for index, param in enumerate(self.params) if id(param.node) not in reached}
+        if tracing and (unused or self.find_unused):
+            # a traced program that leaves a bucket out would skip its averaging at every
+            # replay, with no later forward to notice; and finding the unused parameters of
+            # every rank reads values
+            names = ", ".join(self.names[index] for index in sorted(unused)) or "none"
+            raise RuntimeError(
+                "DistributedDataParallel inside flame.compile needs every parameter that "
+                "requires grad to take part in the forward (find_unused_parameters and "
+                f"static_graph are not supported there); not used: {names}"
+            )
+        self.ready = unused
 
     def mark_ready(self, index: int) -> None:
         if not self.armed:  # no_sync, or a second backward after one forward: local only
             return
-        if current_trace() is not None:
+        if current_trace() is not None and dist.get_backend() != "nccl":
             raise RuntimeError(
-                "DistributedDataParallel: the gradients are averaged by eager collectives, "
-                "which cannot run inside flame.compile; call backward() outside the compiled "
-                "function"
+                "DistributedDataParallel: the gloo backend's collectives read the gradients' "
+                "values, which a function being traced by flame.compile does not have; call "
+                "backward() outside the compiled function (or use the nccl backend)"
             )
         self.seen_grad = True
         self.ready.add(index)
@@ -139,16 +150,20 @@ class Reducer:
     def _reduce(self) -> None:
         with no_grad():
             flats = [self._flatten(bucket) for bucket in self.buckets]
-            realize(*flats)  # one schedule: the backward shared by every bucket runs once
             has_grad = self._anyone_has_grad() if self.find_unused else None
-            for bucket, flat in zip(self.buckets, flats):
-                dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+            if dist.get_backend() == "nccl":
+                reduced = _nccl_average(flats)
+            else:
+                realize(*flats)  # one schedule: the backward shared by every bucket runs once
+                for flat in flats:
+                    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+                reduced = flats
+            for bucket, flat in zip(self.buckets, reduced):
                 for index, offset in zip(bucket.indices, bucket.offsets):
                     if has_grad is not None and not has_grad[index]:
                         continue  # unused on every rank: .grad stays as it was, as PyTorch
                     param = self.params[index]
-                    view = flat[offset : offset + param.numel()].reshape(param.shape)
-                    param.grad = view
+                    param.grad = flat[offset : offset + param.numel()].reshape(param.shape)
 
     def _flatten(self, bucket: Bucket) -> Tensor:
         parts = []
@@ -172,6 +187,19 @@ class Reducer:
             shared = tensor(flags)
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         return shared.numpy() > 0
+
+
+def _nccl_average(flats: list[Tensor]) -> list[Tensor]:
+    """Each bucket's all-reduce as a lazy IR node (flame/distributed/functional.py). Outside
+    ``flame.compile`` they are realized together: one schedule holds the backward and every
+    bucket's collective, each issued once its bucket is computed, in the same order on every
+    rank (the graphs are the same); inside, they are part of the traced program."""
+    from flame.distributed import functional
+
+    reduced = [functional.all_reduce(flat, "avg") for flat in flats]
+    if current_trace() is None:
+        realize(*reduced)
+    return reduced
 
 
 def _on_grad_ready(reducer: weakref.ref, index: int):

@@ -14,6 +14,7 @@ import numpy as np
 import flame.distributed as dist
 from flame.autograd import no_grad
 from flame.backend import backend
+from flame.compile import current_trace
 from flame.creation import tensor
 from flame.joining import cat
 from flame.tensor import Tensor
@@ -113,7 +114,9 @@ def broadcast_tensors(tensors: list[Tensor], src: int = 0) -> None:
         return
     for group in _coalesced(tensors):
         with no_grad():
-            flat = cat([t.reshape(-1) for t in group]).realize()
+            flat = cat([t.reshape(-1) for t in group])
+            if current_trace() is None:
+                flat.realize()  # memory the collective writes into
             dist.broadcast(flat, src)
             if dist.get_rank() == src:
                 continue
