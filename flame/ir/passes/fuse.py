@@ -32,7 +32,12 @@ from flame.ir.node import Node
 from flame.ir.ops import get_op
 from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.cycles import cyclic_components, split_by_levels, split_in_two
-from flame.ir.passes.library_views import library_view, output_view, own_view
+from flame.ir.passes.library_views import (
+    library_view,
+    materialized_reads,
+    output_view,
+    own_view,
+)
 from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
@@ -408,7 +413,7 @@ def _needs(groups: list[Group], materialized, reads: dict | None = None) -> list
     for index, group in enumerate(groups):
         found = reads.get(id(group)) if reads is not None else None
         if found is None:
-            found = _materialized_reads(group, materialized)
+            found = materialized_reads(group, materialized)
             if reads is not None:
                 reads[id(group)] = found
         sources = {producer.get(key) for key in found}
@@ -416,18 +421,6 @@ def _needs(groups: list[Group], materialized, reads: dict | None = None) -> list
         sources.discard(index)
         needs.append(sources)
     return needs
-
-
-def _materialized_reads(group: Group, materialized) -> frozenset[int]:
-    found = set()
-    for node in group.nodes:
-        for child in node.inputs:
-            if group.kind == "library":  # it reads the base of a view in place
-                view = library_view(child)
-                child = view[0] if view else child
-            if id(child) in materialized:
-                found.add(id(child))
-    return frozenset(found)
 
 
 def fuse(graph: Graph, saved=()) -> Graph:

@@ -27,6 +27,21 @@ def library_view(node: Node, computed: bool = True):
     return None
 
 
+def materialized_reads(group, materialized) -> frozenset[int]:
+    """The ids of the written (``materialized``) values a kernel group reads; a library
+    group reads the base of a view in place, so the base counts. The one rule for "kernel A
+    waits for kernel B" (fusion's ordering and every merge's cycle check)."""
+    found = set()
+    for node in group.nodes:
+        for child in node.inputs:
+            if group.kind == "library":
+                view = library_view(child)
+                child = view[0] if view else child
+            if id(child) in materialized:
+                found.add(id(child))
+    return frozenset(found)
+
+
 def own_view(node: Node) -> View:
     """A value's own layout: a realized input's storage strides, else contiguous (written by
     a kernel of the plan)."""

@@ -40,6 +40,7 @@ from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.passes.library_views import materialized_reads
 from flame.ir.passes.row_keys import row_key, row_view_fits, scalar_shapes
 from flame.ir.passes.split import ROW_COLUMN_VALUES
 from flame.ir.shapes import prod
@@ -283,11 +284,10 @@ def _acyclic(groups: list[Group], materialized) -> bool:
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
     sorter = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
     for index, group in enumerate(groups):
-        for node in group.nodes:
-            for child in node.inputs:
-                source = producer.get(id(child))
-                if source is not None and source != index and id(child) in materialized:
-                    sorter.add(index, source)
+        for key in materialized_reads(group, materialized):
+            source = producer.get(key)
+            if source is not None and source != index:
+                sorter.add(index, source)
     try:
         sorter.prepare()
     except graphlib.CycleError:
