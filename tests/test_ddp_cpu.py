@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 WORLD_DEADLINE_S = 60.0
-TOLERANCE = {"rtol": 2e-5, "atol": 1e-6}
+# the oracle runs on the same backend; GPU reductions sum in another order
+ON_GPU = os.environ.get("FLAME_BACKEND") == "cuda"
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5} if ON_GPU else {"rtol": 2e-5, "atol": 1e-6}
 
 
 # --- the harness ----------------------------------------------------------------------------
@@ -32,14 +34,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_world(scenario: str, world_size: int) -> dict:
-    """{rank: (returncode, output)}; a new port where another process took the port."""
+def run_world(scenario: str, world_size: int, process_group: str = "gloo") -> dict:
+    """{rank: (returncode, output)}; a new port where another process took the port. With
+    ``process_group="nccl"`` each rank drives GPU ``rank`` (LOCAL_RANK), tensors on cuda."""
     for _ in range(3):
         port, processes = free_port(), {}
         for rank in range(world_size):
-            environment = dict(os.environ, FLAME_BACKEND="reference", RANK=str(rank))
+            backend = "cuda" if process_group == "nccl" else "reference"
+            environment = dict(os.environ, FLAME_BACKEND=backend, RANK=str(rank))
             environment.update(WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")
-            environment.update(MASTER_PORT=str(port))
+            environment.update(MASTER_PORT=str(port), FLAME_TEST_PG=process_group)
+            environment.update(LOCAL_RANK=str(rank))
+            environment.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
             processes[rank] = subprocess.Popen(
                 [sys.executable, __file__, scenario],
                 env=environment,
@@ -120,10 +126,12 @@ def grads(model) -> dict:
     return {name: p.grad.numpy() for name, p in model.named_parameters()}
 
 
-def assert_grads_equal(model, reference, what: str) -> None:
+def assert_grads_equal(model, reference, what: str, shift: float = 0.0) -> None:
     expected = grads(reference)
     for name, value in grads(model).items():
-        np.testing.assert_allclose(value, expected[name], err_msg=f"{what}: {name}", **TOLERANCE)
+        np.testing.assert_allclose(
+            value, expected[name] + shift, err_msg=f"{what}: {name}", **TOLERANCE
+        )
 
 
 def sgd_step(model, lr: float = 0.1) -> None:
@@ -141,17 +149,28 @@ def full_batch_reference(make, seed, inputs, targets):
 
 
 # --- scenarios (run inside each rank) ---------------------------------------------------------
+def assert_same_on_every_rank(model) -> None:
+    import flame as fl
+    import flame.distributed as dist
+
+    flat = fl.cat([p.reshape(-1) for p in model.parameters()])
+    everyone = [fl.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    for other in everyone:
+        np.testing.assert_array_equal(other.numpy(), flat.numpy())
+
+
 def join():
     import flame.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    process_group = os.environ.get("FLAME_TEST_PG", "gloo")
+    dist.init_process_group(process_group, timeout=datetime.timedelta(seconds=60))
     return dist
 
 
 def scenario_train():
     """Broadcast at wrap, gradients against the full batch (one bucket, many buckets, a conv
     net), no_sync, buffers, an optimizer step, state_dict: every rank checks itself."""
-    import flame as fl
     from flame.nn.parallel import DistributedDataParallel as DDP
 
     dist = join()
@@ -183,11 +202,7 @@ def scenario_train():
     # an SGD step on every rank keeps them equal (to each other and to the reference)
     sgd_step(ddp)
     sgd_step(reference)
-    flat = fl.cat([p.reshape(-1) for p in model.parameters()])
-    everyone = [fl.zeros_like(flat) for _ in range(world)]
-    dist.all_gather(everyone, flat)
-    for other in everyone:
-        np.testing.assert_array_equal(other.numpy(), flat.numpy())
+    assert_same_on_every_rank(model)
     for p, q in zip(model.parameters(), reference.parameters()):
         np.testing.assert_allclose(p.numpy(), q.numpy(), **TOLERANCE)
 
@@ -295,6 +310,37 @@ def scenario_unused():
         assert "trunk" not in message.split("rank")[-1], message
     else:
         raise AssertionError("an unfinished reduction was not reported")
+    dist.destroy_process_group()
+
+
+def scenario_compiled():
+    """nccl: the whole step (forward, backward) compiled; buffers and gradients as eager."""
+    import flame as fl
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    dist = join()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(make_mlp(seed=100 + rank), bucket_cap_mb=0.0002)
+    ddp.module.scale.fill_(float(rank + 1))  # the compiled forward takes rank 0's again
+
+    @fl.compile
+    def step(x, y):
+        loss = loss_of(ddp, x, y)
+        loss.backward()
+        return loss
+
+    for seed in (20, 21, 22):
+        ddp.zero_grad()
+        inputs, targets = batch(12, (6,), seed=seed)
+        step(shard(inputs, rank, world), shard(targets, rank, world))
+        assert ddp.module.scale.tolist() == [1.0] * 3
+        expected = make_mlp(seed=0)
+        expected.load_state_dict(ddp.module.state_dict())
+        loss_of(expected, inputs, targets).backward()
+        assert_grads_equal(ddp.module, expected, f"compiled, batch {seed}")
+        sgd_step(ddp)
+    assert step.cache_info().traces == 1, step.cache_info()
+    assert_same_on_every_rank(ddp)
     dist.destroy_process_group()
 
 
@@ -540,7 +586,7 @@ def nccl_stand_in(monkeypatch):
     monkeypatch.setattr(dist, "_default_group", dist._ProcessGroup("nccl", None, group))
     # the shape of every all-reduce the reference backend computes; ``shift`` is added to
     # their results, so a gradient that did not come out of one shows
-    seen = SimpleNamespace(calls=[], shift=0.0)
+    seen = SimpleNamespace(calls=[], shift=0.25)
     original = reference._evaluate_node
 
     def counted(node, *args):
@@ -558,38 +604,7 @@ def test_ddp_on_nccl_eager_and_inside_compile(nccl_stand_in):
     import flame as fl
     from flame.nn.parallel import DistributedDataParallel as DDP
 
-    calls = nccl_stand_in.calls
-    ddp = DDP(make_mlp(seed=3), bucket_cap_mb=0.0002)
-    buckets = len(ddp._bucket_names())
-    inputs, targets = batch(4, (6,), seed=8)
-    loss_of(ddp, inputs, targets).backward()  # eager: every bucket's all-reduce in one schedule
-    assert [list(shape) for shape in calls] == [
-        [sum(dict(ddp.module.named_parameters())[name].numel() for name in names)]
-        for names in ddp._bucket_names()
-    ]
-    assert_grads_equal(ddp.module, full_batch_reference(make_mlp, 3, inputs, targets), "eager")
-
-    @fl.compile
-    def step(x, y):
-        loss = loss_of(ddp, x, y)
-        loss.backward()
-        return loss
-
-    nccl_stand_in.shift = 0.25
-    for seed in (9, 10, 11):
-        calls.clear()
-        ddp.zero_grad()
-        inputs, targets = batch(4, (6,), seed=seed)
-        with ddp.no_sync():  # traced once, replayed: the program always averages
-            step(inputs, targets)
-        assert len(calls) == buckets, calls
-        expected = make_mlp(seed=0)
-        expected.load_state_dict(ddp.module.state_dict())
-        loss_of(expected, inputs, targets).backward()
-        for p in expected.parameters():
-            p.grad = p.grad + 0.25
-        assert_grads_equal(ddp.module, expected, f"compiled, batch {seed}")
-    assert step.cache_info().traces == 1
+    nccl_checks(nccl_stand_in)
 
     class Partial(fl.nn.Module):
         def __init__(self):
@@ -600,5 +615,89 @@ def test_ddp_on_nccl_eager_and_inside_compile(nccl_stand_in):
             return self.used(x)
 
     partial = DDP(Partial())
+    inputs, targets = batch(4, (6,), seed=8)
     with pytest.raises(RuntimeError, match="not used: spare.weight, spare.bias"):
         fl.compile(lambda x, y: loss_of(partial, x, y).backward() or x.sum())(inputs, targets)
+
+
+def nccl_checks(seen) -> None:
+    """DDP over an nccl group of one (``seen.calls``: the shapes of the all-reduces run;
+    ``seen.shift``: what the stand-in adds to their results), eager and compiled."""
+    import flame as fl
+    from flame.nn.parallel import DistributedDataParallel as DDP
+
+    calls = seen.calls
+    ddp = DDP(make_mlp(seed=3), bucket_cap_mb=0.0002)
+    sizes = [
+        [sum(dict(ddp.module.named_parameters())[name].numel() for name in names)]
+        for names in ddp._bucket_names()
+    ]
+    inputs, targets = batch(4, (6,), seed=8)
+    loss_of(ddp, inputs, targets).backward()  # eager: every bucket's all-reduce in one schedule
+    assert [list(shape) for shape in calls] == sizes
+    expected = full_batch_reference(make_mlp, 3, inputs, targets)
+    assert_grads_equal(ddp.module, expected, "eager", shift=seen.shift)
+
+    @fl.compile
+    def step(x, y):
+        loss = loss_of(ddp, x, y)
+        loss.backward()
+        return loss
+
+    for seed in (9, 10, 11):
+        calls.clear()
+        ddp.zero_grad()
+        inputs, targets = batch(4, (6,), seed=seed)
+        with ddp.no_sync():  # traced once, replayed: the program always averages
+            step(inputs, targets)
+        assert sorted(list(shape) for shape in calls) == sorted(sizes), calls
+        expected = make_mlp(seed=0)
+        expected.load_state_dict(ddp.module.state_dict())
+        loss_of(expected, inputs, targets).backward()
+        assert_grads_equal(ddp.module, expected, f"compiled, batch {seed}", shift=seen.shift)
+    assert step.cache_info().traces == 1
+
+
+@pytest.mark.gpu
+def test_ddp_world_of_one_through_nccl(monkeypatch):
+    import flame as fl
+    import flame.distributed as dist
+    from flame.runtime import library, library_nccl
+
+    try:
+        library_nccl.load()
+    except library_nccl.NcclUnavailable as error:
+        pytest.skip(f"NCCL is not available: {error}")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    seen = SimpleNamespace(calls=[], shift=0.0)
+    original = library.IMPLEMENTATIONS["all_reduce"]
+
+    def counted(node, arrays):
+        seen.calls.append(node.shape)
+        return original(node, arrays)
+
+    monkeypatch.setitem(library.IMPLEMENTATIONS, "all_reduce", counted)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
+    try:
+        with fl.backend("cuda"):
+            nccl_checks(seen)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["train", "compiled"])
+def test_ddp_two_ranks_on_two_gpus(scenario):
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        count = 0
+    if count < 2:
+        pytest.skip(f"needs 2 GPUs (one per rank), {count} visible")
+    assert_all_passed(run_world(scenario, 2, process_group="nccl"))

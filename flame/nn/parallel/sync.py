@@ -118,7 +118,9 @@ def broadcast_tensors(tensors: list[Tensor], src: int = 0) -> None:
             if current_trace() is None:
                 flat.realize()  # memory the collective writes into
             dist.broadcast(flat, src)
-            if dist.get_rank() == src:
+            if dist.get_rank() == src and current_trace() is None:
+                # (traced, the source copies its own values back too: a collective whose
+                # result nothing reads would leave the program, and the other ranks waiting)
                 continue
             offset = 0
             for t in group:
