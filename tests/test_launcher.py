@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -344,7 +345,9 @@ def test_a_gloo_rank_that_fails_stops_the_one_waiting_in_all_reduce(tmp_path):
     assert time.monotonic() - started < 20  # not the group's 20 s timeout
     assert result.returncode == 1, result.stderr
     report = result.stderr.split("flame run: rank 1 (local rank 1, pid ")[1]
-    assert "failed first: exit code 1" in report and "rank 0: stopped by SIGTERM" in report
+    assert "failed first: exit code 1" in report
+    # rank 0 is stopped, or fails on its own first seeing rank 1's connection close
+    assert re.search(r"flame run: rank 0: (stopped by SIGTERM|exit code 1 after SIGTERM)", report)
     assert "[rank1]: RuntimeError: rank 1 gave up before all_reduce" in report
     assert_all_gone(tmp_path, expected=2)
 
