@@ -701,3 +701,34 @@ def test_ddp_two_ranks_on_two_gpus(scenario):
     if count < 2:
         pytest.skip(f"needs 2 GPUs (one per rank), {count} visible")
     assert_all_passed(run_world(scenario, 2, process_group="nccl"))
+
+
+def _described(entries, world_size=2, **options):
+    return {"world_size": world_size, "options": options, "entries": entries}
+
+
+W = ["parameter", "w", "float32[4, 3]", True]
+B = ["buffer", "b", "int64[]", False]
+
+
+@pytest.mark.parametrize(
+    "other,message",
+    [
+        (_described([W, B]), None),
+        (_described([W, B], world_size=3), "rank 1 has world_size 3, rank 0 has 2"),
+        (
+            _described([W[:2] + ["float32[4, 4]", True], B]),
+            "'w' is float32[4, 4] on rank 1 but float32[4, 3] on rank 0",
+        ),  # fmt: skip
+        (_described([W[:3] + [False], B]), "'w' has requires_grad=False on rank 1"),
+        (_described([W]), "rank 1 lacks buffer 'b' (int64[]) that rank 0 has"),
+        (_described([W, B, ["parameter", "x", "float16[2]", True]]), "extra parameter 'x'"),
+        (_described([B, W]), "rank 1 has buffer 'b' where rank 0 has parameter 'w'"),
+        (_described([W, B], static_graph=True), "(static_graph=True) on rank 1, None on"),
+    ],
+)
+def test_model_differences_are_named(other, message):
+    from flame.nn.parallel.sync import _first_difference
+
+    found = _first_difference(_described([W, B]), other, 1)
+    assert found is None if message is None else message in found, found

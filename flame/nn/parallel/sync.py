@@ -100,8 +100,8 @@ def _first_difference(root: dict, other: dict, rank: int) -> str | None:
     if count < count0:
         kind, name, shown, _ = root["entries"][count]
         return f"rank {rank} lacks {kind} {name!r} ({shown}) that rank 0 has"
-    for key, value0 in root["options"].items():
-        value = other["options"].get(key)
+    for key in sorted(set(root["options"]) | set(other["options"])):
+        value, value0 = other["options"].get(key), root["options"].get(key)
         if value != value0:
             return f"DistributedDataParallel({key}={value!r}) on rank {rank}, {value0!r} on rank 0"
     return None
