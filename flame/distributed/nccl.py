@@ -152,7 +152,8 @@ class NcclGroup:
         _write(tensor, functional.broadcast(tensor, src, **self._group()))
 
     def all_gather(self, tensor_list: list[Tensor], tensor: Tensor) -> None:
-        self._check("all_gather", tensor)
+        for item in (tensor, *tensor_list):
+            self._check("all_gather", item)
         gathered = _issued(functional.all_gather(tensor, **self._group()))
         for index, target in enumerate(tensor_list):
             target.copy_(gathered[index])
