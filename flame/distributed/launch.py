@@ -9,7 +9,9 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node rank), MASTER_ADDR and MASTER
 environment, which is all ``flame.distributed.init_process_group`` reads. The launcher does not
 choose GPUs: every rank sees the same devices and picks its own from LOCAL_RANK (as PyTorch
 scripts do with ``torch.cuda.set_device(local_rank)``); ``--bind-gpus`` instead narrows each
-rank's CUDA_VISIBLE_DEVICES to its one GPU.
+rank's CUDA_VISIBLE_DEVICES to its one GPU. With N > 1 and OMP_NUM_THREADS unset, the ranks get
+OMP_NUM_THREADS=1, as from torchrun. Output is copied line by line: a progress bar redrawn
+with '\\r' shows at its next newline.
 
 Supervision: every rank runs in its own session (process group), its stdout and stderr lines
 are copied to the launcher's with a ``[rankN]: `` prefix, and the launcher waits. The first
