@@ -186,6 +186,22 @@ def test_in_place_writes_on_an_nccl_group(stand_in_group):
         dist.all_gather([fl.zeros(4, dtype=fl.int32)], held)
 
 
+def test_non_contiguous_tensors_are_read_and_written_through_their_view(stand_in_group):
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    held = fl.tensor(values)
+    column = held.T[1]  # strided: every fourth element
+    dist.all_reduce(column, op=dist.ReduceOp.MAX)
+    assert column.tolist() == [1.0, 5.0, 9.0]
+    np.testing.assert_array_equal(held.numpy(), values)
+
+    @fl.compile
+    def step():
+        dist.all_reduce(held.T[1])
+
+    with pytest.raises(fl.TraceError, match="writing through a view of memory"):
+        step()
+
+
 def test_collectives_write_inside_compile(stand_in_group):
     weights = fl.tensor(np.ones(4, np.float32))
 
@@ -312,8 +328,9 @@ def test_the_id_survives_the_trip_as_signed_chars(monkeypatch):
     [(None, 2, "2"), ("4,5,6", 1, "5"), ("GPU-abc,GPU-def", 1, "GPU-def"), ("7", 3, "7")],
 )
 def test_narrow_visible_devices(visible, local_rank, expected, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test, even if unset
     if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     library_nccl.narrow_visible_devices(local_rank)

@@ -84,7 +84,7 @@ def _world_of_one_checks(rng, calls):
             np.testing.assert_array_equal(after, expected, err_msg=f"{dtype} {op}")
     held = fl.tensor(values).realize()
     before = len(calls)
-    dist.all_reduce(held.t()[2:5], op=dist.ReduceOp.SUM)  # a strided view, written in place
+    dist.all_reduce(held.T[2:5], op=dist.ReduceOp.SUM)  # a strided view, written in place
     np.testing.assert_array_equal(held.numpy(), values)
     assert len(calls) == before + 1  # one collective per call
     shared = fl.tensor(values)
