@@ -345,12 +345,14 @@ class CompiledFunction:
             pairs = tuple(zip(inputs, sources))
             return _Program(tuple(computed), sources, None, reference_inputs=pairs, **common)
         from flame.runtime.executor import default_executor
+        from flame.runtime.writes import Readers
 
         plan = default_executor().plan_for(computed, inputs, key)
         # the plan's outputs come back in the order it was asked for them
         outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
         program = _Program(outputs, sources, plan, **common)
-        program.direct = direct_writes(program, order, inputs, trace)
+        # one index of who reads what for all the writes' checks (a walk each was quadratic)
+        program.direct = direct_writes(program, Readers(order), inputs, trace)
         if not grads and not trace.written and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):

@@ -79,13 +79,35 @@ def _preload_library() -> None:
                 return
 
 
+def import_frontend():
+    """``import cudnn`` without PyTorch: the frontend imports ``torch`` at import time when
+    it is importable (cudnn/wrapper.py, for its PyTorch-facing ``Graph`` class), which cost a
+    first training step ~30 s on the H100 host (the import, then its custom-op
+    registration), on a background thread holding the GIL. FLAME hands the frontend integer
+    pointers and its own data types only, never torch tensors, so ``import torch`` is made
+    to fail for the length of this import; a process that already imported PyTorch keeps it."""
+    import sys
+
+    if "torch" in sys.modules:
+        import cudnn
+
+        return cudnn
+    sys.modules["torch"] = None  # ``import torch`` raises ImportError while this is set
+    try:
+        import cudnn
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return cudnn
+
+
 def _load() -> dict:
     with _LOCK:
         if _SESSION:
             return _SESSION
         _preload_library()
         try:
-            import cudnn
+            cudnn = import_frontend()
         except ImportError as error:
             _SESSION.update(reason=f"the cuDNN frontend is not installed ({error})", frontend="")
             return _SESSION

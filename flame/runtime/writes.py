@@ -8,17 +8,45 @@ from flame.ir.node import Node
 from flame.runtime.launch import Launch
 
 
+class Readers:
+    """The nodes of an ``order`` that read each value, indexed once: a compiled program asks
+    ``reads_elementwise`` once per in-place write (a training step: one per parameter and
+    optimizer state, ~1200 for the diffusion UNet), and each walk of the whole order made the
+    first step quadratic (44.6 s of the H100's first UNet step)."""
+
+    __slots__ = ("order", "_of")
+
+    def __init__(self, order):
+        self.order = order
+        self._of: dict[int, list[Node]] | None = None
+
+    def of(self, node: Node) -> list[Node]:
+        """The members of the order that read ``node`` (a member reading it twice: twice)."""
+        if self._of is None:
+            index: dict[int, list[Node]] = {}
+            for member in self.order:
+                for child in member.inputs:
+                    index.setdefault(id(child), []).append(member)
+            self._of = index
+        return self._of.get(id(node), ())
+
+
 def reads_elementwise(order, aliased: list[Node], shape) -> bool:
     """Whether every node of ``order`` that reads one of ``aliased`` (inputs whose memory a
     result will be written into) is elementwise over ``shape``: each element is then read
-    before, or by the thread that, writes it (a view or a reduction could read it after)."""
+    before, or by the thread that, writes it (a view or a reduction could read it after).
+    ``order``: the nodes, or their ``Readers`` (for many questions about one order)."""
     from flame.ir.ops import get_op
 
-    readers = {id(node) for node in aliased}
-    if not readers:
+    if not aliased:
         return True
-    for member in order:
-        if any(id(child) in readers for child in member.inputs):
+    readers = order if isinstance(order, Readers) else Readers(order)
+    seen: set[int] = set()
+    for node in aliased:
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for member in readers.of(node):
             if get_op(member.op).kind != "elementwise" or member.shape != shape:
                 return False
     return True
