@@ -221,6 +221,12 @@ def scenario_train():
     (loss_of(whole, *first) + loss_of(whole, *second)).backward()
     assert_grads_equal(model, whole, "no_sync then a synchronized step")
 
+    # the sampler's defaults come from the group
+    from flame.utils.data import DistributedSampler
+
+    shares = [list(DistributedSampler(range(10), world, other, seed=3)) for other in range(world)]
+    assert list(DistributedSampler(range(10), seed=3)) == shares[rank]
+
     # state_dict: PyTorch's keys, loading round trip
     state = ddp.state_dict()
     assert list(state) == ["module." + key for key in model.state_dict()], list(state)
