@@ -5,7 +5,9 @@ Each rank is this file run as a script (``python test_ddp_cpu.py SCENARIO``) wit
 WORLD_SIZE MASTER_ADDR MASTER_PORT and FLAME_BACKEND=reference in its environment; the
 scenario asserts its own results and exits 0 (the harness of test_distributed_cpu.py). The
 oracle of every gradient is one process over the whole batch, computed in each rank with a
-model built from rank 0's seed.
+model built from rank 0's seed. The nccl path runs here over a stand-in group of one on the
+reference backend (eager and inside flame.compile); the gpu tier runs it through NCCL, a
+world of one and (with 2 GPUs) the train and compiled scenarios on two ranks.
 """
 
 from __future__ import annotations
