@@ -365,6 +365,16 @@ def test_missing_nccl_names_the_wheel(monkeypatch):
         library_nccl.load()
 
 
+def test_is_nccl_available_follows_the_library(monkeypatch):
+    assert dist.is_available() and dist.is_gloo_available()
+    monkeypatch.setattr(
+        library_nccl, "_import_nccl", lambda: types.SimpleNamespace(available=False)
+    )
+    assert not dist.is_nccl_available()
+    monkeypatch.setattr(library_nccl, "_import_nccl", lambda: types.SimpleNamespace(available=True))
+    assert dist.is_nccl_available()
+
+
 def test_flame_info_reports_nccl():
     from flame.tools.cli import _library_rows
 

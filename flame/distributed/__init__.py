@@ -53,7 +53,10 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init_process_group",
+    "is_available",
+    "is_gloo_available",
     "is_initialized",
+    "is_nccl_available",
     "reduce_scatter",
 ]
 
@@ -142,6 +145,25 @@ def init_process_group(
 
 def is_initialized() -> bool:
     return _default_group is not None
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_gloo_available() -> bool:
+    return True
+
+
+def is_nccl_available() -> bool:
+    """Whether the NCCL library loads (the nvidia-nccl wheel); a GPU is checked at init."""
+    from flame.runtime import library_nccl
+
+    try:
+        library_nccl.load()
+    except library_nccl.NcclUnavailable:
+        return False
+    return True
 
 
 def _default() -> _ProcessGroup:
