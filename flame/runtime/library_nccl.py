@@ -190,8 +190,9 @@ def communicator(name: str, op: str = "collective"):
     if found is None:
         raise RuntimeError(
             f"{op}: its NCCL process group {name!r} does not exist in this process (destroyed, "
-            "aborted, or never initialized here); call init_process_group(backend='nccl') and "
-            "trace the program again"
+            "aborted, or never initialized here); a value or a flame.compile'd function built "
+            "on a group runs only while that group lives: build it again after "
+            "init_process_group(backend='nccl')"
         )
     return found
 
