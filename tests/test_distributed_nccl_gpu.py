@@ -171,7 +171,8 @@ def test_two_ranks_on_two_gpus(tmp_path):
     except subprocess.TimeoutExpired:
         for process in processes.values():
             process.kill()
-        pytest.fail(f"the world hung past {WORLD_DEADLINE_S}s")
+        outputs = {rank: process.communicate()[0] for rank, process in processes.items()}
+        pytest.fail(f"the world hung past {WORLD_DEADLINE_S}s; outputs: {outputs}")
     for rank, process in processes.items():
         assert process.returncode == 0, f"rank {rank}: {outputs[rank]}"
 
