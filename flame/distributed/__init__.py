@@ -8,8 +8,8 @@ The rendezvous is a TCP store served by rank 0 (``store.py``). Two backends:
 
 * ``nccl`` (``nccl.py``): CUDA tensors; every collective is an IR node (a library op, like a
   cuBLAS product) whose launch calls NCCL on FLAME's stream, ordered with the kernels around
-  it without a host wait; it sits in plans, ``flame.compile`` programs and CUDA graphs.
-  ``functional.py`` has the same collectives as lazy values;
+  it without a host wait; it sits in plans and ``flame.compile`` programs (CUDA graphs: see
+  flame/runtime/library_nccl.py). ``functional.py`` has the same collectives as lazy values;
 * ``gloo`` (``gloo.py``): the CPU backend: sockets between ranks, collectives on the tensors'
   values (realized, exchanged as bytes, written back with an in-place ``copy_``), on any FLAME
   backend. It runs the same API on machines without a GPU, for tests.

@@ -10,7 +10,11 @@ communicator is registered here when the group is made and removed when it is de
 compiled program replayed after ``destroy_process_group`` fails with the group named instead of
 calling a dead communicator. Every call runs on FLAME's stream (CuPy's current stream), after
 the kernels that made its input and before those that read its result, with no host wait: it
-is queued like any kernel, and can be captured into a CUDA graph. Results are new
+is queued like any kernel. NCCL calls can be captured into CUDA graphs (NCCL 2.9 and later),
+and these launches do nothing a capture forbids (no host sync, memory from the capture's
+allocator); but ``flame.compile`` captures only programs whose library ops are listed in
+``flame.runtime.executor.CAPTURABLE_LIBRARY_OPS``, which does not list the collectives yet
+(not tried on a GPU), so such programs run step by step. Results are new
 C-contiguous arrays (send and receive buffers differ, as NCCL allows); a strided input is
 copied to contiguous memory first.
 """
