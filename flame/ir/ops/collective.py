@@ -1,7 +1,8 @@
 """Collectives as library ops: ``all_reduce``, ``broadcast``, ``all_gather``, ``reduce_scatter``.
 
 Each is one node over one tensor, computed on the GPU by NCCL (flame/runtime/library_nccl.py)
-on FLAME's stream, so it sits in plans, compiled programs and CUDA graphs like a cuBLAS call.
+on FLAME's stream, so it sits in plans and compiled programs like a cuBLAS call (CUDA-graph
+capture: see flame/runtime/library_nccl.py).
 The attributes say which communicator runs it and what the result looks like:
 
 * ``group``: the name of the NCCL communicator (``flame.distributed`` makes one per process
