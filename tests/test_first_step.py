@@ -104,3 +104,48 @@ def test_the_cudnn_frontend_loads_without_importing_pytorch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+_KERNEL = """extern "C" __global__ void {name}(float* out) {{ out[threadIdx.x] = {value}f; }}"""
+
+
+def test_a_batch_compiles_each_distinct_kernel_once(tmp_path):
+    """Kernels repeated in one plan compile once (threads used to compile one key side by
+    side); every item still gets its cubin, in order, the repeats as memory hits."""
+    pytest.importorskip("cupy", reason="NVRTC comes with CuPy")
+    from flame.runtime.cache import DiskCache
+    from flame.runtime.compiler import KernelCache
+
+    cache = KernelCache(DiskCache(tmp_path), arch="sm_80")
+    sources = {name: _KERNEL.format(name=name, value=value) for name, value in
+               (("k_one", 1.0), ("k_two", 2.0), ("k_three", 3.0))}  # fmt: skip
+    names = ["k_one", "k_two", "k_one", "k_three", "k_two", "k_one"]
+    rendered = []
+
+    def renderer(name):
+        def render():
+            rendered.append(name)
+            return sources[name]
+
+        return render
+
+    items = [(renderer(name), name, f"identity of {name}") for name in names]
+    results = cache.cubins(items)
+    assert cache.stats.compiles == 3
+    assert cache.stats.memory_hits == 3
+    assert sorted(rendered) == ["k_one", "k_three", "k_two"]  # rendered once each
+    keys = [key for key, _ in results]
+    assert keys[0] == keys[2] == keys[5] and keys[1] == keys[4]
+    assert len({keys[0], keys[1], keys[3]}) == 3
+    for (_key, cubin), name in zip(results, names):
+        assert cubin == cache.cubin(sources[name], name, f"identity of {name}")[1]
+        assert cubin  # a cubin, not an empty placeholder
+
+
+def test_compile_threads_follow_the_environment(monkeypatch):
+    from flame.runtime.compiler import compile_threads
+
+    monkeypatch.setenv("FLAME_COMPILE_THREADS", "3")
+    assert compile_threads() == 3
+    monkeypatch.setenv("FLAME_COMPILE_THREADS", "not a number")
+    assert 2 <= compile_threads() <= 32

@@ -182,15 +182,62 @@ class KernelCache:
         return source() if callable(source) else source
 
     def cubins(self, sources_and_names) -> list[tuple[str, bytes]]:
-        """Several kernels at once, items as ``cubin``'s arguments; NVRTC runs in threads."""
+        """Several kernels at once, items as ``cubin``'s arguments. NVRTC releases the GIL, so
+        kernels compile in threads, one a CPU (``compile_threads``); each distinct kernel once
+        (a plan names one kernel in many groups: the UNet's step 1267 loads, 268 kernels; two
+        threads used to compile the same one side by side), the biggest first, so that the
+        longest compile does not start last. The repeats are then memory hits, as they would
+        be one after the other."""
         items = list(sources_and_names)
         if len(items) <= 1:
             return [self.cubin(*item) for item in items]
+        first: dict[str, int] = {}
+        for index, item in enumerate(items):
+            identity = item[2] if len(item) > 2 and item[2] is not None else None
+            if identity is None:  # no cheap key: rendered here, once
+                text = self._text(item[0])
+                item = (text, *item[1:])
+                items[index] = item
+                identity = text
+            first.setdefault(self.key(identity), index)
+        unique = sorted(first.values(), key=lambda index: -_size_estimate(items[index]))
+        results: list = [None] * len(items)
         from concurrent.futures import ThreadPoolExecutor  # imports logging: not at start-up
 
         context = contextvars.copy_context()  # the workers report to this context's recorders
-        with ThreadPoolExecutor(max_workers=min(8, len(items))) as pool:
-            return list(pool.map(lambda item: context.copy().run(self.cubin, *item), items))
+        with ThreadPoolExecutor(max_workers=min(compile_threads(), len(unique))) as pool:
+            done = pool.map(lambda i: context.copy().run(self.cubin, *items[i]), unique)
+            for index, result in zip(unique, done):
+                results[index] = result
+        return [
+            result if result is not None else self.cubin(*item)
+            for result, item in zip(results, items)
+        ]
+
+
+def compile_threads() -> int:
+    """Threads that run NVRTC at once: ``FLAME_COMPILE_THREADS``, else one a CPU this
+    process may use (at least 2, at most 32)."""
+    import os
+
+    explicit = os.environ.get("FLAME_COMPILE_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 8
+    return max(2, min(32, cpus))
+
+
+def _size_estimate(item) -> int:
+    """How big a kernel's code is (its compile time follows): from its spec's lines, else
+    the source's length."""
+    spec = item[3] if len(item) > 3 else None
+    if spec is not None:
+        lines = (spec.header, spec.setup, spec.prologue, spec.body, spec.epilogue)
+        return sum(len(part) for part in lines) * 80
+    return len(item[0]) if isinstance(item[0], str) else 0
 
 
 _default_cache: KernelCache | None = None
