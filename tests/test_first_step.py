@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import flame as fl
+from flame.runtime import writes as writes_module
 from flame.runtime.walks import linearize
 from flame.runtime.writes import Readers, reads_elementwise
 
@@ -149,3 +150,76 @@ def test_compile_threads_follow_the_environment(monkeypatch):
     assert compile_threads() == 3
     monkeypatch.setenv("FLAME_COMPILE_THREADS", "not a number")
     assert 2 <= compile_threads() <= 32
+
+
+def _launch(writes, reads, zeroed=()):
+    from flame.runtime.launch import Launch
+
+    args = tuple(("out", slot) for slot in writes) + tuple(("in", slot) for slot in reads)
+    shapes = tuple(((4,), np.float32) for _ in writes)
+    written = tuple((slot, position) for position, slot in enumerate(writes))
+    zeroed = tuple((slot, 16) for slot in zeroed)
+    return Launch(None, None, 1, 1, args, written, shapes, zeroed)
+
+
+def _writable_by_walking(plan, out_slot, aliased_slots) -> bool:
+    """The rule as first written: a walk of the launches per question."""
+    from flame.runtime.executor import _reads
+    from flame.runtime.launch import Launch
+
+    writer = next(
+        (index for index, step in enumerate(plan.launches)
+         if isinstance(step, Launch) and any(slot == out_slot for slot, _ in step.writes)),
+        None,
+    )  # fmt: skip
+    if writer is None or any(slot == out_slot for slot, _ in plan.launches[writer].zeroed):
+        return False
+    later = (slot for step in plan.launches[writer + 1 :] for slot in _reads(step))
+    return not any(slot in aliased_slots for slot in later)
+
+
+def test_writable_answers_as_a_walk_of_the_launches_does(rng):
+    from flame.runtime.executor import LibraryCall, Plan
+
+    with fl.backend("cuda"):
+        matmul = (fl.from_numpy(np.zeros((2, 2), np.float32)) @ fl.ones(2, 2)).node
+    # slots 0-2 are inputs; 3.. written: read, rewritten later, zeroed, by a library call
+    launches = (
+        _launch([3], [0, 1]),
+        _launch([4], [3, 2]),
+        LibraryCall(matmul, (4, 1), 5),
+        _launch([6, 7], [5, 0], zeroed=[7]),
+        _launch([8], [2]),
+        _launch([3], [8]),  # 3 written again: the first writer counts
+    )
+    plan = Plan(launches, 9, (6, 8), None, 0.0)
+    answers = set()
+    for out_slot in range(10):
+        for size in range(3):
+            for _ in range(4):
+                aliased = tuple(int(slot) for slot in rng.choice(9, size, replace=False))
+                expected = _writable_by_walking(plan, out_slot, aliased)
+                assert writes_module.writable(plan, out_slot, aliased) is expected
+                answers.add(expected)
+    assert answers == {True, False}
+    assert plan.slot_steps is not None  # kept for the next question
+
+
+def test_the_broadcast_push_bound_counts_as_computed_size_does():
+    from flame.ir.passes.cost import computed_size
+    from flame.ir.passes.simplify import _computes_more_than
+
+    with fl.backend("cuda"):
+        x = fl.from_numpy(np.zeros((3, 5), np.float32))
+        deep = x
+        for step in range(12):
+            deep = (
+                (deep * 1.5 + x.sum(0)).reshape(5, 3).permute(1, 0)
+                if step % 3 == 0
+                else deep.exp() - x
+            )
+        nodes = [deep.node, (x * 2).node, x.node, (deep + deep).node]
+    for node in nodes:
+        size = computed_size(node)
+        for limit in range(0, size + 3):
+            assert _computes_more_than(node, limit) is (size > limit)

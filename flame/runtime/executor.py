@@ -99,6 +99,8 @@ class Plan(Record, frozen=True):
     # lazy mode's straight-line runner of a one-kernel plan (``_lazy_runner``): False until
     # the plan's first recorded-walk match makes it; None for plans it does not fit
     runner: object = field(default=False, compare=False, repr=False)
+    # flame/runtime/writes.py: per slot, its first writing kernel and last reading step
+    slot_steps: object = field(default=None, compare=False, repr=False)
 
 
 class Executor:

@@ -17,7 +17,7 @@ from flame.ir.graph import Graph, is_input
 from flame.ir.infer import SizeValue, make_const, make_node
 from flame.ir.node import Node
 from flame.ir.ops import get_op
-from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.passes.cost import RECOMPUTE_LIMIT
 from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import with_inputs
 from flame.ir.passes.row_keys import row_shapes
@@ -138,7 +138,7 @@ def _pushed(op: str, attrs, child: Node, site, keep, memo) -> Node:
         # another order (transposed: uncoalesced reads; reshaped for a split reduction:
         # every input read again)
         return node
-    if op == "expand" and computed_size(child) > RECOMPUTE_LIMIT:
+    if op == "expand" and _computes_more_than(child, RECOMPUTE_LIMIT):
         return node
     inputs = tuple(
         grand
@@ -147,6 +147,26 @@ def _pushed(op: str, attrs, child: Node, site, keep, memo) -> Node:
         for grand in child.inputs
     )
     return make_node(child.op, inputs, dict(child.attrs), child.site)
+
+
+def _computes_more_than(root: Node, limit: int) -> bool:
+    """``computed_size(root) > limit``, walking only until the count passes ``limit``: a
+    broadcast over a training step's deep graph asked for the size of everything under it
+    (3401 walks of the UNet's step: 26 s of its 51 s of simplify on the CPU probe)."""
+    count = 0
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or is_input(node):
+            continue
+        seen.add(id(node))
+        if node.inputs and node.op not in MOVEMENT:
+            count += 1
+            if count > limit:
+                return True
+        stack.extend(node.inputs)
+    return False
 
 
 def _reshape_stays_strided(attrs, child: Node, keep, seen=None) -> bool:
