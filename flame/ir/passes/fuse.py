@@ -30,14 +30,13 @@ import graphlib
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
-from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
 from flame.ir.passes.cycles import cyclic_components, split_by_levels, split_in_two
 from flame.ir.passes.library_views import (
-    library_view,
     materialized_reads,
     output_view,
     own_view,
 )
+from flame.ir.passes.materialize import materialized_values
 from flame.ir.passes.row_columns import attach_columns
 from flame.ir.passes.row_keys import (
     is_row_alias,
@@ -62,44 +61,6 @@ def handed_out(graph: Graph) -> dict[int, tuple[Node, Node]]:
     candidates = [node for node in graph.outputs if not is_input(node) and id(node) not in read]
     bases = [(node, output_view(node, rows)) for node in candidates]
     return {id(node): (node, base) for node, base in bases if base is not None}
-
-
-def _materialized(graph: Graph, views) -> tuple[dict[int, Node], dict[int, str]]:
-    """``views``: ``handed_out(graph)``."""
-    chosen = {id(node): node for node in graph.outputs if not is_input(node)}
-    reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
-    for node, base in views.values():
-        reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
-        if get_op(base.op).kind != "library" and id(base) not in chosen:
-            chosen[id(base)] = base  # written by its row kernel, handed out reshaped
-            reasons[id(base)] = "handed out reshaped as a graph output (no copy)"
-
-    def choose(node: Node, reason: str) -> None:
-        if not is_input(node) and id(node) not in chosen:
-            chosen[id(node)] = node
-            reasons[id(node)] = reason
-
-    for node in graph.nodes:  # inputs first, so inner decisions come before outer ones
-        kind = get_op(node.op).kind
-        if kind == "library":
-            choose(node, f"{node.op} runs as a library call")
-            for child in node.inputs:
-                view = library_view(child)
-                if not view:
-                    choose(child, f"input of {node.op}, which reads memory")
-                elif not is_input(view[0]):
-                    choose(view[0], f"read by {node.op} through a view (no copy)")
-        elif node.op == "expand" and not is_input(node.inputs[0]):
-            source = node.inputs[0]
-            cost = computed_size(source, set(chosen))
-            if cost > RECOMPUTE_LIMIT:
-                ratio = node.numel // max(source.numel, 1)
-                choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
-        elif node.op == "reshape":
-            follow = lambda m, top=node: m is top or id(m) not in chosen  # noqa: E731
-            if resolve(node, own_view, follow) is None:
-                choose(node.inputs[0], "reshape of a layout that is not a strided view")
-    return chosen, reasons
 
 
 class _Grouping:
@@ -428,7 +389,7 @@ def fuse(graph: Graph, saved=()) -> Graph:
     write (remat.py); ``anchor``, a value the kernel that computes it anyway writes: the
     saved value joins that kernel when it fits its shape or rows (None: no anchor)."""
     views = handed_out(graph)
-    materialized, reasons = _materialized(graph, views)
+    materialized, reasons = materialized_values(graph, views)
     homes = {}
     for node, reason, anchor in saved:
         if id(node) not in materialized:

@@ -1,0 +1,87 @@
+"""Which values the fusion pass writes to memory before grouping (fuse.py): graph outputs,
+library calls and what they read, broadcasts of costly computations, reshapes that are not
+strided views, and values whose recomputation would read many tensors of their size. Every
+other value is recomputed by each kernel that needs it (remat.py then decides the rest)."""
+
+from __future__ import annotations
+
+from flame.ir.graph import Graph, is_input
+from flame.ir.node import Node
+from flame.ir.ops import get_op
+from flame.ir.passes.cost import RECOMPUTE_LIMIT, computed_size
+from flame.ir.passes.library_views import library_view, own_view
+from flame.ir.views import MOVEMENT_OPS, resolve
+
+
+def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int, str]]:
+    """``views``: ``handed_out(graph)``."""
+    chosen = {id(node): node for node in graph.outputs if not is_input(node)}
+    reasons: dict[int, str] = {id(node): "graph output" for node in chosen.values()}
+    for node, base in views.values():
+        reasons[id(node)] = f"graph output: a view of {base.op}'s result (no copy)"
+        if get_op(base.op).kind != "library" and id(base) not in chosen:
+            chosen[id(base)] = base  # written by its row kernel, handed out reshaped
+            reasons[id(base)] = "handed out reshaped as a graph output (no copy)"
+
+    def choose(node: Node, reason: str) -> None:
+        if not is_input(node) and id(node) not in chosen:
+            chosen[id(node)] = node
+            reasons[id(node)] = reason
+
+    users: dict[int, int] = {}  # per value, the ops reading it (through views)
+    for node in graph.nodes:
+        if node.op in MOVEMENT_OPS:
+            continue
+        for child in node.inputs:
+            while child.op in MOVEMENT_OPS and child.inputs:
+                child = child.inputs[0]
+            users[id(child)] = users.get(id(child), 0) + 1
+    for node in graph.nodes:  # inputs first, so inner decisions come before outer ones
+        kind = get_op(node.op).kind
+        if kind == "elementwise" and users.get(id(node), 0) > 1:
+            wide = _wide_reads(node, chosen)
+            if wide > WIDE_SOURCES:
+                choose(node, f"recomputing it would read {wide} values of its size")
+        if kind == "library":
+            choose(node, f"{node.op} runs as a library call")
+            for child in node.inputs:
+                view = library_view(child)
+                if not view:
+                    choose(child, f"input of {node.op}, which reads memory")
+                elif not is_input(view[0]):
+                    choose(view[0], f"read by {node.op} through a view (no copy)")
+        elif node.op == "expand" and not is_input(node.inputs[0]):
+            source = node.inputs[0]
+            cost = computed_size(source, set(chosen))
+            if cost > RECOMPUTE_LIMIT:
+                ratio = node.numel // max(source.numel, 1)
+                choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
+        elif node.op == "reshape":
+            follow = lambda m, top=node: m is top or id(m) not in chosen  # noqa: E731
+            if resolve(node, own_view, follow) is None:
+                choose(node.inputs[0], "reshape of a layout that is not a strided view")
+    return chosen, reasons
+
+
+# A value read by several ops whose recomputation reads more than this many in-memory values
+# of its own size is written once: each kernel recomputing it would read them all, and along
+# a chain (a transformer's residual stream, x + a1 + a2 + ...) every later kernel would
+# re-read every earlier contribution (block k's kernels k of them: quadratic in the depth).
+WIDE_SOURCES = 4
+
+
+def _wide_reads(node: Node, chosen) -> int:
+    """How many values of ``node``'s size in memory (inputs, values written) recomputing it
+    reads; counting stops past ``WIDE_SOURCES``."""
+    size, count = node.numel, 0
+    stack, seen = list(node.inputs), set()
+    while stack and count <= WIDE_SOURCES and len(seen) < 256:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if is_input(value) or id(value) in chosen:
+            count += value.numel >= size
+        else:
+            stack.extend(value.inputs)
+    return count
