@@ -9,8 +9,9 @@ import flame as fl
 from flame.ir.graph import Graph
 from flame.ir.node import Node
 from flame.ir.passes import run_pipeline
+from flame.ir.passes.cost import RECOMPUTE_LIMIT
 from flame.ir.passes.cse import cse
-from flame.ir.passes.fuse import RECOMPUTE_LIMIT, fuse
+from flame.ir.passes.fuse import fuse
 from flame.ir.passes.simplify import simplify
 from flame.ir.verify import VerifyError, verify
 from flame.runtime.reference import evaluate
@@ -221,7 +222,7 @@ def test_a_split_reduction_reads_a_value_a_matmul_reads_anyway(cuda_backend):
 def test_a_library_call_runs_after_the_kernel_writing_the_base_of_its_view(cuda_backend):
     """embedding's backward scatters a reshaped, masked gradient: the scatter reads the
     masked value through a view, so the kernel that writes it must come first."""
-    from flame.ir.passes.fuse import library_view
+    from flame.ir.passes.library_views import library_view
 
     i = fl.tensor(np.array([[0, 2, 1], [4, 2, 3]], np.int64))
     w = fl.tensor(np.ones((5, 3), np.float32))
