@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 
+from flame import step_graphs
 from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.effects import Trace, direct_writes, drawing, write_back
@@ -364,6 +365,8 @@ class CompiledFunction:
             if program.generators and program.entry is not None:
                 program.entry = drawing(program.entry, program.generators, backend)
             program.key = call_key
+        elif step_graphs.wanted(plan, self.cuda_graph):
+            program.graphs = True  # made at the first replay, which knows the arguments
         return program
 
     def _run(self, program: _Program, args):
@@ -404,12 +407,16 @@ class CompiledFunction:
             else self._source_storage(program, kind, value, args).device_array()
             for kind, value in program.sources
         ]  # fmt: skip
-        if any(slot is not None for slot in program.direct):
-            targets = {
-                slot: (_storage(args[target]) if kind == "arg" else target).device_array()
-                for ((kind, target), _), slot in zip(program.writes, program.direct)
-                if slot is not None
-            }  # fmt: skip
+        targets = {
+            slot: (_storage(args[target]) if kind == "arg" else target).device_array()
+            for ((kind, target), _), slot in zip(program.writes, program.direct)
+            if slot is not None
+        }  # fmt: skip
+        if program.graphs is not None:
+            results = step_graphs.replay(program, arrays, targets, self._info)
+            if results is not None:
+                return results
+        if targets:
             slots = default_executor().run_into(program.plan, arrays, targets)
         else:
             slots = default_executor().run(program.plan, arrays)

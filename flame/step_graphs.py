@@ -1,0 +1,185 @@
+"""CUDA graphs of whole training steps: compiled programs that set ``.grad`` or write into
+tensors in place (parameters, optimizer state, an EMA), captured once and replayed as one
+launch.
+
+A diffusion UNet's step is ~2,300 launches (FLAME kernels, cuDNN convolutions, cuBLAS
+products, fused attention): replayed one by one it is bound by the host (about 25 us a
+launch in Python and the driver), whatever the kernels cost. Captured, the host launches one
+graph. What a capture bakes in, and how a replay keeps it true:
+
+* **Addresses.** Memory a step reads in place (parameters, optimizer state, generator
+  counters, ``.grad`` it accumulates into) keeps its address from call to call: those
+  addresses key the graph. Small arguments (a batch of images and labels, new arrays every
+  step) are copied into buffers the graph owns (``STATIC_ARGUMENT_BYTES``), so a new batch
+  is a copy, not a new capture.
+* **In-place writes** that the program's kernels make directly into the target's memory
+  (``program.direct``) write there in the graph too (the target's address is in the key).
+* **Intermediates** come from a memory pool of the graph's own: the plan's releases return
+  buffers to it during the capture, so later steps of the graph reuse them as a run would
+  (peak memory is the plan's, not the sum of its buffers), and nothing outside the graph can
+  take them between replays.
+* **Results** (the loss, the gradients handed out as ``.grad``) live in the graph's memory and
+  are lent: a result still held when the next replay starts is first moved out (its tensor
+  keeps its values). Gradients the step will set again are dropped before the replay, so a
+  training loop pays no copy.
+
+Random numbers read their generator's counter from device memory (``flame/random.py``), so a
+replay draws new numbers. A plan with a library call that cannot run under a capture, or a
+capture that fails, runs step by step, as before; the reason is in ``cache_info()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from flame.runtime.storage import Storage
+
+# arguments up to this size are copied into the graph's own buffers at each replay; larger
+# ones (or ones written in place) key the graph by their address
+STATIC_ARGUMENT_BYTES = 64 << 20
+# programs of at least this many launches are captured by default (``cuda_graph=None``):
+# their launches, not their kernels, bound the step
+STEP_GRAPH_LAUNCHES = 64
+
+
+def wanted(plan, requested) -> bool:
+    """Capture this training program? ``requested``: ``flame.compile``'s ``cuda_graph``."""
+    from flame.replay import capturable
+
+    if requested is False or not capturable(plan, forced=True):
+        return False
+    return bool(requested) or len(plan.launches) >= STEP_GRAPH_LAUNCHES
+
+
+class StepGraphs:
+    """The CUDA graphs of one program that sets gradients or writes in place, keyed by the
+    addresses of what it reads and writes in place (``LIMIT`` kept)."""
+
+    LIMIT = 2
+
+    def __init__(self, plan, info, static_positions: frozenset):
+        self.plan, self.info = plan, info
+        self.static_positions = static_positions  # sources copied into graph-owned buffers
+        self.entries: dict[tuple, list] = {}
+        self.lock = threading.Lock()
+        self.failed: str | None = None
+
+    def run(self, arrays: list, targets: dict, outputs: tuple) -> list | None:
+        """The results of one replay (tensors over the graph's buffers), or None when the
+        program cannot be captured (the caller runs it step by step)."""
+        import cupy
+
+        if self.failed is not None:
+            return None
+        static = self.static_positions
+        key = tuple(
+            a.data.ptr if index not in static else (a.shape, a.dtype.str)
+            for index, a in enumerate(arrays)
+        ) + tuple(sorted((slot, t.data.ptr) for slot, t in targets.items()))
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                if len(self.entries) >= self.LIMIT:
+                    self.entries.pop(next(iter(self.entries)))
+                try:
+                    entry = self._capture(arrays, targets)
+                except Exception as error:  # noqa: BLE001  a routine that cannot be captured
+                    self.failed = f"{type(error).__name__}: {error}"
+                    self.info.graph_failures.append(self.failed)
+                    return None
+                self.entries[key] = entry
+            graph, slots, lent, buffers, _pool = entry
+            for index, buffer in buffers.items():  # this call's batch, into the graph's memory
+                buffer[...] = arrays[index]
+            for held in lent:  # a result of the last replay the caller still holds
+                storage = held() if held is not None else None
+                if storage is not None and storage.array is not None:
+                    storage.array = storage.array.copy()  # moved out before it is overwritten
+            graph.launch(cupy.cuda.get_current_stream())
+            self.info.graph_replays += 1
+            results = []
+            for index, (slot, dtype) in enumerate(outputs):
+                storage = Storage("cuda", dtype, slots[slot])
+                lent[index] = weakref.ref(storage)
+                results.append(storage)
+            return results
+
+    def _capture(self, arrays: list, targets: dict) -> list:
+        import cupy
+
+        from flame.runtime.launch import Launch
+
+        plan = self.plan
+        pool = cupy.cuda.MemoryPool()  # the graph's own: reused inside it, by nobody else
+        current = cupy.cuda.get_current_stream()
+        buffers = {}
+        with cupy.cuda.using_allocator(pool.malloc):
+            for index in self.static_positions:
+                buffers[index] = cupy.empty_like(arrays[index])
+                buffers[index][...] = arrays[index]
+        slots = [buffers.get(index, array) for index, array in enumerate(arrays)]
+        slots += [None] * (plan.slot_count - len(arrays))
+        keep = set(plan.output_slots) | set(range(len(arrays)))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(current.record())  # inputs queued before the capture are ready
+        with stream, cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            try:
+                for step, releases in zip(plan.launches, plan.releases):
+                    if isinstance(step, Launch):
+                        step.allocate(slots)
+                        for slot, _, _ in step._allocations:
+                            if slot in targets:
+                                slots[slot] = targets[slot]
+                        step.launch_into(slots)
+                    else:
+                        step.execute(slots)
+                    for slot in releases:
+                        if slot not in keep:
+                            slots[slot] = None  # its block serves later steps of the graph
+            finally:
+                graph = stream.end_capture()
+        graph.upload(current)
+        self.info.graph_captures += 1
+        for index in range(len(arrays)):  # addresses are baked in: keep no caller memory
+            if index not in plan.output_slots:
+                slots[index] = None
+        lent = [None] * len(plan.output_slots)
+        return [graph, slots, lent, buffers, pool]
+
+
+def static_positions(program, arrays) -> frozenset:
+    """The argument sources small enough to copy into graph-owned buffers at each replay
+    and not written in place by the program."""
+    written = {target for (kind, target), _ in program.writes if kind == "arg"}
+    return frozenset(
+        index
+        for index, ((kind, value), array) in enumerate(zip(program.sources, arrays))
+        if kind == "arg" and value not in written and array.nbytes <= STATIC_ARGUMENT_BYTES
+    )
+
+
+def replay(program, arrays: list, targets: dict, info) -> list | None:
+    """One CUDA-graph launch for a whole program (``flame.compile``'s replay of a program
+    that sets gradients or writes in place); None: run it step by step."""
+    from flame.replay import wrap
+
+    if program.graphs is True:  # made at the first replay, which knows the arguments
+        program.graphs = StepGraphs(program.plan, info, static_positions(program, arrays))
+    if not any(kind == "grad" for kind, _ in program.sources):
+        for owner_ref, _, _ in program.grads:  # set again by this call: nothing to keep
+            owner = owner_ref()
+            if owner is not None:
+                owner.grad = None
+    outputs = tuple(
+        (slot, node.dtype) for node, slot in zip(program.out_nodes, program.plan.output_slots)
+    )
+    storages = program.graphs.run(arrays, targets, outputs)
+    if storages is None:
+        program.graphs = None
+        return None
+    return [
+        wrap(storage, node.dtype, node.shape, node.site)
+        for node, storage in zip(program.out_nodes, storages)
+    ]
