@@ -175,6 +175,17 @@ def test_two_ranks_on_two_gpus(tmp_path):
         pytest.fail(f"the world hung past {WORLD_DEADLINE_S}s; outputs: {outputs}")
     for rank, process in processes.items():
         assert process.returncode == 0, f"rank {rank}: {outputs[rank]}"
+        print(outputs[rank])  # the devices and the compiled programs' cache_info, with -s
+
+
+def _averaging_step(rank: int):
+    weights = fl.tensor(np.full(16, float(rank), np.float32)).realize()
+
+    def step(a):
+        dist.all_reduce(weights, op=dist.ReduceOp.AVG)  # in place, every call
+        return a * weights
+
+    return step
 
 
 def scenario_two_ranks():
@@ -208,16 +219,12 @@ def scenario_two_ranks():
     output = fl.zeros(2)
     dist.reduce_scatter(output, inputs)
     assert output.tolist() == [sum(10.0 * peer + rank for peer in range(world))] * 2
-    weights = fl.tensor(np.full(16, float(rank), np.float32)).realize()
-
-    @fl.compile
-    def step(a):
-        dist.all_reduce(weights, op=dist.ReduceOp.AVG)
-        return a * weights
-
-    for _ in range(3):
-        result = step(fl.ones(16))
-        assert result.tolist() == [(world - 1) / 2] * 16, result.tolist()
+    for cuda_graph in (False, True):  # True: captured where the executor lists collectives
+        compiled = fl.compile(_averaging_step(rank), cuda_graph=cuda_graph)
+        for _ in range(3):
+            result = compiled(fl.ones(16))
+            assert result.tolist() == [(world - 1) / 2] * 16, result.tolist()
+        print(f"rank {rank}, cuda_graph={cuda_graph}: {compiled.cache_info()}")
     dist.barrier()
     dist.destroy_process_group()
 
