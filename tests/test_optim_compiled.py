@@ -10,6 +10,9 @@ a GradScaler-stepped Adam saved and resumed; AveragedModel in the step. Referenc
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -165,6 +168,20 @@ def test_a_rate_set_by_hand_reaches_the_compiled_step(rng, reference_backend):
         run.steps(2, schedule=False)
     _close(runs[0].values(), runs[1].values())
     assert runs[0].step.cache_info().traces == 1
+
+
+def test_a_rate_that_changes_kind_after_compiled_steps_is_refused(rng, reference_backend):
+    init, weights = _problem(rng)
+    run = Run("Adam", dict(lr=0.01), init, weights, compiled=True)
+    run.steps(1)
+    group = run.optimizer.param_groups[0]
+    with pytest.raises(TypeError, match="changed from a number to a tensor; write"):
+        group["lr"] = fl.tensor(0.02)
+    assert group["lr"] == pytest.approx(0.01 * decaying(1))  # left as it was
+    assert copy.deepcopy(run.optimizer.param_groups)[0]["lr"] == group["lr"]
+    assert type(copy.deepcopy(group)) is dict
+    plain = {key: value for key, value in group.items() if key != "params"}
+    assert pickle.loads(pickle.dumps(type(group)(plain, run.optimizer))) == plain
 
 
 def test_state_made_by_lazy_steps_before_the_trace(rng, reference_backend):

@@ -57,6 +57,9 @@ class ParamGroup(dict):
         self._owner = weakref.ref(owner)
 
     def __setitem__(self, key, value) -> None:
+        owner = self._owner()
+        if key == "lr" and owner is not None:
+            owner._check_rate(self, value)
         super().__setitem__(key, value)
         if key != "params":
             self._changed()
@@ -70,7 +73,7 @@ class ParamGroup(dict):
         if owner is not None:
             owner._group_changed(self)
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
         return (dict, (dict(self),))
 
 
@@ -87,8 +90,9 @@ class Optimizer(abc.ABC):
         self.param_groups: list[dict] = []
         self.state = ParamState()
         self._uploads = StagedUploads()  # the per-step values' way to the GPU
-        # id(group) -> (its values on the device, the host values they hold): see ``_hyper``
-        self._mirrors: dict[int, tuple[Tensor, tuple]] = {}
+        # id(group) -> (its values on the device, the host values they hold, whether its
+        # rate is a tensor): see ``_hyper``
+        self._mirrors: dict[int, tuple[Tensor, tuple, bool]] = {}
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__}: got an empty parameter list")
@@ -153,8 +157,21 @@ class Optimizer(abc.ABC):
             values = tuple(self._hyper_values(group))
             with backend(like.backend):
                 mirror = tensor(np.asarray(values, dtype=np.float32)).realize()
-            entry = self._mirrors[id(group)] = (mirror, values)
+            is_tensor = isinstance(group["lr"], Tensor)
+            entry = self._mirrors[id(group)] = (mirror, values, is_tensor)
         return entry[0]
+
+    def _check_rate(self, group: dict, rate) -> None:
+        """Refuses a rate that changes between a number and a tensor once the group has been
+        stepped on the device: those steps (compiled ones included) read it where it was."""
+        entry = self._mirrors.get(id(group))
+        if entry is not None and isinstance(rate, Tensor) != entry[2]:
+            was, now = ("tensor", "number") if entry[2] else ("number", "tensor")
+            raise TypeError(
+                f"{type(self).__name__}: the learning rate of a group already stepped on the "
+                f"device changed from a {was} to a {now}; write the new rate into the tensor "
+                "(as a schedule does), or set a number, as before"
+            )
 
     def _group_changed(self, group: dict) -> None:
         entry = self._mirrors.get(id(group))
@@ -165,7 +182,7 @@ class Optimizer(abc.ABC):
             from flame.optim._common import write_values
 
             write_values(entry[0], values, self._uploads)
-            self._mirrors[id(group)] = (entry[0], values)
+            self._mirrors[id(group)] = (entry[0], values, entry[2])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         from flame.creation import zeros_like
@@ -278,8 +295,11 @@ class Optimizer(abc.ABC):
                     continue
                 if isinstance(group.get(key), Tensor) and _host_array(value) is not None:
                     _write_into(group[key], _host_array(value).reshape(group[key].shape))
-                elif isinstance(value, Tensor):
-                    group[key] = _own_tensor(value.numpy(), value)
+                elif isinstance(value, Tensor):  # a tensor rate saved, a number here
+                    number = value.numel() == 1
+                    group[key] = (
+                        float(value.item()) if number else _own_tensor(value.numpy(), value)
+                    )
                 else:
                     group[key] = copy.deepcopy(value)
         self.state._states = loaded
