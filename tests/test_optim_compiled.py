@@ -477,3 +477,26 @@ def test_compiled_step_on_gpu_matches_the_reference_backend(name, options, rng):
             if backend == "cuda":
                 assert run.step.cache_info().traces == 1
     _close(results["cuda"], results["reference"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_traced_update_adds_at_most_one_kernel_per_parameter(rng):
+    """The update traced into the step fuses per parameter (with the step count and the
+    per-step values in a few more launches), not one launch per op."""
+    init, weights = _problem(rng)
+    with fl.backend("cuda"):
+        run = Run("AdamW", dict(lr=0.01, weight_decay=0.1), init, weights, compiled=True)
+
+        def gradients_only(*weights):
+            loss = _loss(run.params, weights, fl)
+            loss.backward()
+            return loss
+
+        alone = fl.compile(gradients_only)
+        alone(*run.weights)
+        for param in run.params:
+            param.grad = None
+        run.steps(2)
+        assert run.step.cache_info().traces == 1
+        with_update = run.step.programs()[0]["launches"]
+        assert with_update <= alone.programs()[0]["launches"] + len(SHAPES) + 3
