@@ -185,8 +185,8 @@ def test_a_rate_that_changes_kind_after_compiled_steps_is_refused(rng, reference
 
 
 def test_state_made_by_lazy_steps_before_the_trace(rng, reference_backend):
-    """Lazy steps first (host step counts), then compiled ones: the counts move to the
-    device and the steps go on as an all-lazy run."""
+    """Lazy steps first (host step counts), then compiled ones (the counts move to the
+    device), then lazy ones again: the same as an all-lazy run."""
     for name, options in (VARIANTS[4], VARIANTS[7], VARIANTS[3]):
         init, weights = _problem(rng)
         mixed = Run(name, options, init, weights, compiled=False)
@@ -194,7 +194,9 @@ def test_state_made_by_lazy_steps_before_the_trace(rng, reference_backend):
         mixed.steps(2)
         mixed.step = fl.compile(mixed._step)
         mixed.steps(3)
-        lazy.steps(5)
+        mixed.step = mixed._step  # and lazy steps after compiled ones (device counts)
+        mixed.steps(2)
+        lazy.steps(7)
         _close(mixed.values(), lazy.values())
 
 
