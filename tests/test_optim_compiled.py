@@ -357,6 +357,28 @@ def test_grad_scaler_adam_checkpoint_resumes(rng, reference_backend, tmp_path):
     _close([p.numpy() for p in second], [p.numpy() for p in straight], rtol=1e-6, atol=1e-7)
 
 
+def test_grad_scaler_counts_split_when_a_parameter_has_no_gradient(rng, reference_backend):
+    """Parameters stepped together share one count; one left without a gradient keeps its
+    own count (the others' is copied), as the per-parameter counts of an unscaled run."""
+    init, weights = _problem(rng)
+    results = []
+    for scaled in (True, False):
+        params = [fl.tensor(a).requires_grad_() for a in init]
+        ws = [fl.tensor(w) for w in weights]
+        optimizer = fl.optim.Adam(params, lr=0.05)
+        scaler = fl.amp.GradScaler("cpu", init_scale=8.0, enabled=scaled)
+        for index in range(5):
+            chosen = params if index % 2 == 0 else params[:1]
+            scaler.scale(_loss(chosen, ws, fl)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        counts = [float(optimizer.state[p]["step"]) for p in params]
+        assert counts == [5.0, 3.0, 3.0]
+        results.append([p.numpy() for p in params])
+    _close(*results)
+
+
 # --- AveragedModel inside the compiled step -----------------------------------------------------
 
 

@@ -106,18 +106,21 @@ class Adam(Optimizer):
         becomes a 0-d float32 tensor of the members' own (exact up to 2**24 steps)."""
         params = [param for param, _ in members]
         count = members[0][1]["step"]
-        sharing = [
-            param for param in group["params"]
-            if (self.state.get(param) or {}).get("step") is count
-        ]  # fmt: skip
         if not isinstance(count, Tensor):
             count = new_scalar(float(count), params[0])
-        elif len(sharing) != len(members) and not tracing():
+        elif self._shared_beyond(group, count, members) and not tracing():
             count = count.clone().realize()
         for _, state in members:
             state["step"] = count
         count.add_(1.0 if self._skip_if is None else 1.0 - self._skip_if)
         return self._device_values(group, count, params[0])
+
+    def _shared_beyond(self, group, count: Tensor, members) -> bool:
+        """Whether parameters not stepped now share ``count`` (they had no gradient)."""
+        sharing = sum(
+            1 for param in group["params"] if (self.state.get(param) or {}).get("step") is count
+        )
+        return sharing != len(members)
 
     def _hyper_values(self, group) -> list:
         lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
