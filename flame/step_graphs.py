@@ -127,14 +127,18 @@ class StepGraphs:
             stream.begin_capture()
             try:
                 for step, releases in zip(plan.launches, plan.releases):
-                    if isinstance(step, Launch):
-                        step.allocate(slots)
-                        for slot, _, _ in step._allocations:
-                            if slot in targets:
-                                slots[slot] = targets[slot]
-                        step.launch_into(slots)
-                    else:
-                        step.execute(slots)
+                    try:
+                        if isinstance(step, Launch):
+                            step.allocate(slots)
+                            for slot, _, _ in step._allocations:
+                                if slot in targets:
+                                    slots[slot] = targets[slot]
+                            step.launch_into(slots)
+                        else:
+                            step.execute(slots)
+                    except Exception as error:
+                        message = f"{_describe(step)}: {type(error).__name__}: {error}"
+                        raise RuntimeError(message) from error
                     for slot in releases:
                         if slot not in keep:
                             slots[slot] = None  # its block serves later steps of the graph
@@ -147,6 +151,14 @@ class StepGraphs:
                 slots[index] = None
         lent = [None] * len(plan.output_slots)
         return [graph, slots, lent, buffers, pool]
+
+
+def _describe(step) -> str:
+    node = getattr(step, "node", None)
+    if node is not None:
+        return f"{node.op} (library call)"
+    spec = getattr(step, "spec", None)
+    return getattr(spec, "name", type(step).__name__)
 
 
 def static_positions(program, arrays) -> frozenset:

@@ -33,6 +33,7 @@ class MultiTensorKernel:
         self._columns: dict[int, tuple] = {}  # list position -> its last storages' addresses
         self._lock = threading.Lock()
         self._uploads = StagedUploads()  # the address tables' way to the GPU
+        self._captured: dict[bytes, tuple] = {}  # tables CUDA graphs read (_device_table)
 
     def variant(self, aligned: bool, wide: bool):
         key = (aligned, wide)
@@ -60,6 +61,30 @@ class MultiTensorKernel:
             with self._lock:
                 self._chunks[lengths] = table
         return table
+
+    def _device_table(self, table: np.ndarray):
+        """The address table on the GPU: staged (no wait for the GPU, staging.py); under a
+        CUDA-graph capture (flame/step_graphs.py), a copy from page-locked memory of its own
+        that the graph reads again at each replay, kept for the process (one per distinct
+        table: a step's tables keep their addresses from call to call)."""
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        if not stream.is_capturing():
+            return self._uploads.put(table)
+        key = table.tobytes()
+        found = self._captured.get(key)
+        if found is None:
+            host = cupy.cuda.alloc_pinned_memory(table.nbytes)
+            np.frombuffer(host, dtype=table.dtype, count=table.size)[...] = table.ravel()
+            memory = cupy.get_default_memory_pool().malloc(table.nbytes)  # not the graph's
+            device = cupy.ndarray(table.shape, table.dtype, memptr=memory)
+            cupy.cuda.runtime.memcpyAsync(
+                device.data.ptr, host.ptr, table.nbytes,
+                cupy.cuda.runtime.memcpyHostToDevice, stream.ptr,
+            )  # fmt: skip
+            found = self._captured[key] = (device, host)
+        return found[0]
 
     def _addresses(self, position: int, storages: list) -> tuple[list, list, bool]:
         """A column's addresses, lengths and alignment. Parameters and optimizer state are
@@ -109,7 +134,7 @@ class MultiTensorKernel:
                 source = self.position[id(low.lowered.reads[operand])]
             table[:, column] = addresses[source]
         table[:, -1] = lengths
-        device_table = self._uploads.put(table)  # no wait for the GPU (staging.py)
+        device_table = self._device_table(table)
         chunks = self.chunks(lengths)
         arguments = [device_table, chunks]
         for arg in low.spec.params:
