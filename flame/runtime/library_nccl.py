@@ -182,8 +182,11 @@ def create_communicator(name: str, world_size: int, uid: bytes, rank: int) -> No
     """Join the NCCL communicator ``uid`` as ``rank`` (blocks until every rank joins) on the
     current device, and register it as ``name``."""
     nccl = load()
-    signed = tuple(value - 256 if value > 127 else value for value in uid)  # C chars
-    communicator = nccl.NcclCommunicator(world_size, signed, rank)
+    try:  # CuPy 14 takes the id as bytes
+        communicator = nccl.NcclCommunicator(world_size, bytes(uid), rank)
+    except TypeError:  # earlier CuPy: a tuple of C chars
+        signed = tuple(value - 256 if value > 127 else value for value in uid)
+        communicator = nccl.NcclCommunicator(world_size, signed, rank)
     with _LOCK:
         _COMMUNICATORS[name] = communicator
 
