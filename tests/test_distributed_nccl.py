@@ -300,8 +300,10 @@ def test_rendezvous_names_a_rank_that_never_joins(fake_nccl):
 def test_the_id_survives_the_trip_as_signed_chars(monkeypatch):
     created = []
 
-    class Communicator:
+    class Communicator:  # as CuPy before 14: the id as a tuple of C chars
         def __init__(self, world_size, uid, rank):
+            if isinstance(uid, bytes):
+                raise TypeError("Argument 'commId' has incorrect type (expected tuple)")
             created.append((world_size, uid, rank))
 
         def abort(self):
@@ -320,6 +322,21 @@ def test_the_id_survives_the_trip_as_signed_chars(monkeypatch):
     assert created[-1] == "aborted"
     with pytest.raises(RuntimeError, match=r"all_reduce: its NCCL process group 'nccl-test-trip'"):
         library_nccl.communicator("nccl-test-trip", "all_reduce")
+
+
+def test_cupy_14_takes_the_id_as_bytes(monkeypatch):
+    created = []
+
+    class Communicator:  # CuPy 14: bytes only
+        def __init__(self, world_size, uid, rank):
+            if not isinstance(uid, bytes):
+                raise TypeError("Argument 'commId' has incorrect type (expected bytes)")
+            created.append((world_size, uid, rank))
+
+    fake = types.SimpleNamespace(available=True, NcclCommunicator=Communicator)
+    monkeypatch.setattr(library_nccl, "_import_nccl", lambda: fake)
+    library_nccl.create_communicator("nccl-test-bytes", 2, bytes(range(128, 256)), 0)
+    assert created == [(2, bytes(range(128, 256)), 0)]
 
 
 # --- the GPU of a rank, and what is missing ------------------------------------------------------
