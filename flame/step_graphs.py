@@ -43,12 +43,26 @@ STATIC_ARGUMENT_BYTES = 64 << 20
 STEP_GRAPH_LAUNCHES = 64
 
 
+# library calls a capture can hold besides ``executor.CAPTURABLE_LIBRARY_OPS``: FLAME's
+# indexing kernels (a class embedding and its backward) and NCCL's collectives
+STEP_LIBRARY_OPS = frozenset(
+    {"gather", "index_select", "take_along_dim", "embedding", "index_tensor", "one_hot",
+     "scatter_add", "all_reduce", "broadcast", "all_gather", "reduce_scatter"}
+)  # fmt: skip
+
+
 def wanted(plan, requested) -> bool:
     """Capture this training program? ``requested``: ``flame.compile``'s ``cuda_graph``."""
-    from flame.replay import capturable
+    from flame.runtime.executor import CAPTURABLE_LIBRARY_OPS
+    from flame.runtime.launch import Launch
 
-    if requested is False or not capturable(plan, forced=True):
+    if requested is False or not plan.launches:
         return False
+    for step in plan.launches:
+        if not isinstance(step, Launch):
+            op = step.node.op
+            if op not in CAPTURABLE_LIBRARY_OPS and op not in STEP_LIBRARY_OPS:
+                return False
     return bool(requested) or len(plan.launches) >= STEP_GRAPH_LAUNCHES
 
 

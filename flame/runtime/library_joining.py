@@ -9,7 +9,18 @@ from flame.runtime.library import implements
 def cat(node, arrays):
     import cupy
 
-    return cupy.ascontiguousarray(cupy.concatenate(arrays, axis=node.attr("dim")))
+    dim = node.attr("dim")
+    if not cupy.cuda.get_current_stream().is_capturing():
+        return cupy.ascontiguousarray(cupy.concatenate(arrays, axis=dim))
+    # under a CUDA-graph capture (flame/step_graphs.py): CuPy's concatenate uploads a table
+    # of its inputs, which a capture refuses; one copy kernel per input instead
+    out = cupy.empty(node.shape, dtype=arrays[0].dtype)
+    start = 0
+    for array in arrays:
+        end = start + array.shape[dim]
+        out[(slice(None),) * dim + (slice(start, end),)] = array
+        start = end
+    return out
 
 
 @implements("pad")
