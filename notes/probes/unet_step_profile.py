@@ -2,7 +2,7 @@
 and eager (bench/diffusion.py's systems, same weights), every GPU kernel by the PyTorch
 profiler (CUPTI sees CuPy's launches too), grouped by kind.
 
-    python notes/probes/unet_step_profile.py OUT_DIR [model size image batch]
+    python notes/probes/unet_step_profile.py OUT_DIR [model size image batch [systems]]
 
 Writes ``profile.json`` (per system: kernels by total time, totals per kind) and prints the
 top kernels of each system.
@@ -68,7 +68,10 @@ def main() -> None:
     )[:4]
     case = (model, size, int(image), int(batch))
     report = {}
+    wanted = sys.argv[6].split(",") if len(sys.argv) > 6 else None  # e.g. "flame"
     for key, system in bd.step_systems(case, "cuda", False).items():
+        if wanted and key not in wanted:
+            continue
         build = system.build if hasattr(system, "build") else system
         scope = system.scope() if hasattr(system, "scope") else None
         if scope is not None:
