@@ -10,6 +10,7 @@ from flame.ir.graph import Graph
 from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
+from flame.ir.passes.joins import join_padded_sums
 from flame.ir.passes.lift import lift_row_epilogues
 from flame.ir.passes.remat import remat
 from flame.ir.passes.simplify import simplify
@@ -19,6 +20,7 @@ from flame.ir.verify import verify
 PIPELINE = (
     split_reductions,  # big reductions with few outputs run in two stages
     lift_row_epilogues,  # elementwise ops after a row kernel's reshape join the row kernel
+    join_padded_sums,  # sums of zero-padded pieces (a split's backward) -> one cat
     simplify,  # fold constants, drop identities (x*1, expand to the same shape, ...)
     cse,  # one node per distinct computation
     dce,  # only what the outputs need
