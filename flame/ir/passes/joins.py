@@ -66,15 +66,26 @@ def _inner_adds(graph: Graph) -> set[int]:
     }
 
 
-def _leaves(node: Node, inner: set[int]) -> list[Node]:
-    """The operands of the add tree rooted at ``node`` (original nodes), left to right."""
-    found = []
-    for child in node.inputs:
-        if child.op == "add" and id(child) in inner:
-            found.extend(_leaves(child, inner))
+def _tree(root: Node, inner: set[int]) -> tuple[list[Node], list[Node]]:
+    """The add tree at ``root`` (original nodes): its operands left to right, and its adds,
+    each after the adds below it. Iterative: a long chain of accumulations is one tree."""
+    leaves, adds = [], []
+    stack = [(root, "visit")]
+    while stack:
+        node, state = stack.pop()
+        if state == "leaf":
+            leaves.append(node)
+        elif state == "done":
+            adds.append(node)
         else:
-            found.append(child)
-    return found
+            stack.append((node, "done"))
+            for child in reversed(node.inputs):
+                stack.append((child, "visit" if _is_inner(child, inner) else "leaf"))
+    return leaves, adds
+
+
+def _is_inner(node: Node, inner: set[int]) -> bool:
+    return node.op == "add" and id(node) in inner
 
 
 def padded_range(node: Node) -> tuple[int, int, int] | None:
@@ -114,39 +125,42 @@ def _chosen_pads(leaves: list[Node]) -> list[Node]:
     return best if len(best) >= 2 else []
 
 
-def _others_subtree(root: Node, inner: set[int], chosen: set[int]) -> Node | None | bool:
-    """The one node of the original tree whose leaves are exactly the leaves not joined,
+def _others_subtree(root: Node, inner: set[int], adds, chosen: set[int]) -> Node | None | bool:
+    """The one node of the original tree whose operands are exactly the leaves not joined,
     found by walking down from ``root`` past subtrees made only of joined pads. The sum
     then keeps its value: every element holds ``others + piece`` before and after. None when
     every leaf is joined; False when the other leaves are spread over the tree (joining would
     change the order of their additions, hence the rounding)."""
+    counts: dict[int, tuple[int, int]] = {}  # per add of the tree: (joined, other) leaves
+
+    def count(node: Node) -> tuple[int, int]:
+        if _is_inner(node, inner):
+            return counts[id(node)]
+        return (1, 0) if id(node) in chosen else (0, 1)
+
+    for add in adds:
+        below = [count(child) for child in add.inputs]
+        counts[id(add)] = (sum(pair[0] for pair in below), sum(pair[1] for pair in below))
     node = root
     while True:
-        mixed = [child for child in node.inputs if not _only_chosen(child, inner, chosen)]
+        mixed = [child for child in node.inputs if count(child)[1]]
         if not mixed:
             return None
         if len(mixed) > 1:
             return False
         (child,) = mixed
-        if not (child.op == "add" and id(child) in inner):
-            return child  # a leaf
-        if not any(id(leaf) in chosen for leaf in _leaves(child, inner)):
-            return child  # only other leaves below
+        if count(child)[0] == 0:
+            return child  # a leaf not joined, or a subtree of such leaves only
         node = child
-
-
-def _only_chosen(node: Node, inner: set[int], chosen: set[int]) -> bool:
-    if node.op == "add" and id(node) in inner:
-        return all(id(leaf) in chosen for leaf in _leaves(node, inner))
-    return id(node) in chosen
 
 
 def _joined(root: Node, inner: set[int], mapped: dict[int, Node]) -> Node | None:
     """The add tree at ``root`` with its joinable pads as one cat, or None."""
-    pads = _chosen_pads(_leaves(root, inner))
+    leaves, adds = _tree(root, inner)
+    pads = _chosen_pads(leaves)
     if not pads:
         return None
-    others = _others_subtree(root, inner, {id(pad) for pad in pads})
+    others = _others_subtree(root, inner, adds, {id(pad) for pad in pads})
     if others is False:
         return None
     joined = _cat_of(pads, mapped, root)
