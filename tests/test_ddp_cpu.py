@@ -642,7 +642,8 @@ def nccl_checks(seen) -> None:
     ]
     inputs, targets = batch(4, (6,), seed=8)
     loss_of(ddp, inputs, targets).backward()  # eager: every bucket's all-reduce in one schedule
-    assert [list(shape) for shape in calls] == sizes
+    # one all-reduce per bucket; their order is the schedule's (the same on every rank)
+    assert sorted(list(shape) for shape in calls) == sorted(sizes)
     expected = full_batch_reference(make_mlp, 3, inputs, targets)
     assert_grads_equal(ddp.module, expected, "eager", shift=seen.shift)
 

@@ -86,7 +86,7 @@ class MultiTensorKernel:
             found = self._captured[key] = (device, host)
         return found[0]
 
-    def _addresses(self, position: int, storages: list) -> tuple[list, list, bool]:
+    def _addresses(self, position: int, storages: list, held=None) -> tuple[list, list, bool]:
         """A column's addresses, lengths and alignment. Parameters and optimizer state are
         the same storages step after step (updated in place): their column is remembered
         (by weak reference, so it keeps nothing alive) and only gradients are looked up."""
@@ -95,18 +95,24 @@ class MultiTensorKernel:
             refs = cached[0]
             if all(ref() is storage for ref, storage in zip(refs, storages)):
                 return cached[1], cached[2], cached[3]
-        addresses, lengths = [], []
+        addresses, lengths, copied = [], [], False
         for storage in storages:
             array = storage.array if storage.array is not None else storage.device_array()
             if not array._c_contiguous:
-                raise ValueError(
-                    f"foreach: a tensor of shape {list(array.shape)} is not contiguous"
-                )
+                if held is None:  # written in place: it must be one block of memory
+                    raise ValueError(
+                        f"foreach: a tensor of shape {list(array.shape)} is not contiguous"
+                    )
+                # read only (a gradient handed out as a transposed view): read a copy
+                array = array.copy(order="C")
+                held.append(array)
+                copied = True
             addresses.append(array.data.ptr)
             lengths.append(array.size)
         aligned = all(address % 16 == 0 for address in addresses)
-        refs = [weakref.ref(storage) for storage in storages]
-        self._columns[position] = (refs, addresses, lengths, aligned)
+        if not copied:  # a copy's address is this launch's only
+            refs = [weakref.ref(storage) for storage in storages]
+            self._columns[position] = (refs, addresses, lengths, aligned)
         return addresses, lengths, aligned
 
     def launch(self, storages: list[list], outputs_into: list[int], shared: dict) -> None:
@@ -117,7 +123,12 @@ class MultiTensorKernel:
         count = len(storages[0])
         if count == 0:
             return
-        columns = [self._addresses(i, column) for i, column in enumerate(storages)]
+        written = set(outputs_into)
+        held = []  # contiguous copies of strided read-only operands, alive until the launch
+        columns = [
+            self._addresses(i, column, held if i not in written else None)
+            for i, column in enumerate(storages)
+        ]  # fmt: skip
         addresses = [column[0] for column in columns]
         lengths = tuple(columns[0][1])
         for column in columns[1:]:
