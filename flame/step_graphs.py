@@ -41,6 +41,15 @@ STATIC_ARGUMENT_BYTES = 64 << 20
 # programs of at least this many launches are captured by default (``cuda_graph=None``):
 # their launches, not their kernels, bound the step
 STEP_GRAPH_LAUNCHES = 64
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every StepGraphs, for graph_pool_bytes()
+
+
+def graph_pool_bytes() -> int:
+    """Device memory the captured steps' own pools hold (their intermediates, kept between
+    replays): not in CuPy's default pool, so a measure of FLAME's memory adds it."""
+    return sum(
+        entry[4].total_bytes() for graphs in list(_LIVE) for entry in graphs.entries.values()
+    )
 
 
 # library calls a capture can hold besides ``executor.CAPTURABLE_LIBRARY_OPS``: FLAME's
@@ -78,6 +87,7 @@ class StepGraphs:
         self.entries: dict[tuple, list] = {}
         self.lock = threading.Lock()
         self.failed: str | None = None
+        _LIVE.add(self)
 
     def run(self, arrays: list, targets: dict, outputs: tuple) -> list | None:
         """The results of one replay (tensors over the graph's buffers), or None when the

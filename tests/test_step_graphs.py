@@ -123,3 +123,19 @@ def test_small_arguments_are_copied_into_the_graph_large_or_written_ones_key_it(
     arrays = [_Array(1 << 20), _Array(1 << 20), _Array(step_graphs.STATIC_ARGUMENT_BYTES + 1),
               _Array(16), _Array(16)]  # fmt: skip
     assert step_graphs.static_positions(program, arrays) == {0}
+
+
+def test_graph_pool_bytes_counts_only_live_graphs():
+    class _Pool:
+        def total_bytes(self):
+            return 1000
+
+    graphs = step_graphs.StepGraphs(plan=None, info=None, static_positions=frozenset())
+    before = step_graphs.graph_pool_bytes()
+    graphs.entries[("key",)] = [None, None, None, None, _Pool()]
+    assert step_graphs.graph_pool_bytes() == before + 1000
+    del graphs
+    import gc
+
+    gc.collect()
+    assert step_graphs.graph_pool_bytes() == before
