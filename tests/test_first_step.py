@@ -223,3 +223,37 @@ def test_the_broadcast_push_bound_counts_as_computed_size_does():
         size = computed_size(node)
         for limit in range(0, size + 3):
             assert _computes_more_than(node, limit) is (size > limit)
+
+
+def test_background_size_classes_wait_while_plans_are_built(cuda_backend, tmp_path):
+    """The sibling thread's lowering holds the GIL: it starts only once no plan has begun
+    for ``quiet`` seconds (a plan calls ``busy``)."""
+    pytest.importorskip("cupy", reason="NVRTC comes with CuPy")
+    import time
+
+    import flame.nn.functional as F
+    from flame.codegen.lower import lower_group
+    from flame.ir.graph import Graph
+    from flame.ir.passes import run_pipeline
+    from flame.runtime.cache import DiskCache
+    from flame.runtime.compiler import KernelCache
+    from flame.runtime.executor import _layout_of
+    from flame.runtime.siblings import SiblingCompiler
+
+    x = fl.tensor(np.ones((2, 64, 8, 8), np.float32))
+    graph = run_pipeline(Graph((F.silu(F.group_norm(x, 32)).node,)))
+    (group,) = [g for g in graph.groups if g.kind == "reduce"]
+    lowered = lower_group(group, _layout_of)
+    cache = KernelCache(DiskCache(tmp_path), arch="sm_90")
+    waiting = SiblingCompiler(cache, quiet=3600.0)
+    waiting.submit([(group, lowered)])
+    time.sleep(0.5)
+    assert cache.stats.background == 0  # still quiet-waiting
+    waiting.stop()
+    waiting.drain()  # stopped: the queued work is dropped, drain returns
+    assert cache.stats.background == 0
+    eager = SiblingCompiler(cache, quiet=0.0)
+    eager.submit([(group, lowered)])
+    eager.drain()
+    assert cache.stats.background > 0
+    eager.stop()

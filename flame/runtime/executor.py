@@ -319,6 +319,7 @@ class Executor:
 
     def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
         start = time.perf_counter()
+        self.siblings.busy()  # background lowering waits until planning is done
         observed = bool(events.active())
         pending, inputs = _over_stand_ins(pending, inputs)
         graph = run_pipeline(Graph(tuple(pending)), record=observed)

@@ -204,6 +204,7 @@ def main() -> None:
     parser.add_argument("--compile", default="none", choices=modes)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dump", default=None, help="write every kernel's source here")
     options = parser.parse_args()
     os.environ.setdefault("FLAME_CACHE_DIR", tempfile.mkdtemp(prefix="flame-first-step-"))
     os.environ["FLAME_SIBLING_CLASSES"] = "0"  # timed apart below
@@ -257,6 +258,11 @@ def main() -> None:
     for _, _, _, spec in sources:
         render(spec)
     timings["render"] = time.perf_counter() - start
+    if options.dump:
+        os.makedirs(options.dump, exist_ok=True)
+        for source, name, *_ in sources:
+            with open(os.path.join(options.dump, f"{name}.cu"), "w") as file:
+                file.write(source())
     names = [name for _, name, *_ in sources]
     timings["unique_names"] = len(set(names))
     if options.compile != "none" and sources:
