@@ -12,6 +12,7 @@ from flame import (
     interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
     optim,  # noqa: E402  (written with the public ops above)
+    utils,  # noqa: F401  (fl.utils.data.DistributedSampler, as torch.utils.data)
 )
 from flame._version import __version__
 from flame.amp import autocast, get_autocast_dtype, is_autocast_enabled
