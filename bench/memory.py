@@ -64,7 +64,7 @@ def _cupy_pool_peak(system, call) -> dict:
         outputs = call()
         system.synchronize()
     try:  # a step captured as a CUDA graph keeps its intermediates in a pool of its own
-        from flame.step_graphs import graph_pool_bytes
+        from flame.runtime.step_graphs import graph_pool_bytes
 
         graphs = graph_pool_bytes()
     except ImportError:
@@ -75,7 +75,7 @@ def _cupy_pool_peak(system, call) -> dict:
         "pool_growth_mb": (pool.total_bytes() - total_before) / MB,
         "graph_pool_mb": graphs / MB,
         "method": "CuPy MemoryHook on the default pool: largest bytes in use during the call, "
-        "plus what captured steps' own pools hold (flame.step_graphs.graph_pool_bytes)",
+        "plus what captured steps' own pools hold (flame.runtime.step_graphs.graph_pool_bytes)",
     }
     del outputs
     return result

@@ -32,7 +32,6 @@ import threading
 import time
 import weakref
 
-from flame import step_graphs
 from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.effects import Trace, direct_writes, drawing, write_back
@@ -49,7 +48,7 @@ from flame.replay import (
     unflatten,
     wrap,
 )
-from flame.runtime import events
+from flame.runtime import events, step_graphs
 from flame.runtime.compiler import kernel_loads
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry, generic_entry, miss_reason, shown

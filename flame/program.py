@@ -53,7 +53,7 @@ class _Program:
     writes: tuple = ()
     # per write the plan computes straight into the memory: its output slot (else None)
     direct: tuple = ()
-    # a program that sets gradients or writes in place: its CUDA graphs (step_graphs.py)
+    # a program that sets gradients or writes in place: its CUDA graphs (runtime/step_graphs.py)
     graphs: object = None
 
     def guards_hold(self) -> bool:

@@ -1,4 +1,4 @@
-"""CUDA graphs of whole training steps (flame/step_graphs.py): a compiled step that sets
+"""CUDA graphs of whole training steps (flame/runtime/step_graphs.py): a compiled step that sets
 ``.grad``, draws random numbers and updates parameters and optimizer state in place, replayed
 as one graph launch, gives the values of the same step run kernel by kernel."""
 
@@ -8,7 +8,7 @@ import pytest
 import flame as fl
 import flame.nn as nn
 import flame.nn.functional as F
-from flame import step_graphs
+from flame.runtime import step_graphs
 
 
 def _model(seed: int):

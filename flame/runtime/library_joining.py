@@ -12,7 +12,7 @@ def cat(node, arrays):
     dim = node.attr("dim")
     if not cupy.cuda.get_current_stream().is_capturing():
         return cupy.ascontiguousarray(cupy.concatenate(arrays, axis=dim))
-    # under a CUDA-graph capture (flame/step_graphs.py): CuPy's concatenate uploads a table
+    # under a CUDA-graph capture (flame/runtime/step_graphs.py): CuPy's concatenate uploads a table
     # of its inputs, which a capture refuses; one copy kernel per input instead
     out = cupy.empty(node.shape, dtype=arrays[0].dtype)
     start = 0

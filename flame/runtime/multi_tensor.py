@@ -64,7 +64,7 @@ class MultiTensorKernel:
 
     def _device_table(self, table: np.ndarray):
         """The address table on the GPU: staged (no wait for the GPU, staging.py); under a
-        CUDA-graph capture (flame/step_graphs.py), a copy from page-locked memory of its own
+        CUDA-graph capture (flame/runtime/step_graphs.py), a copy from page-locked memory of its own
         that the graph reads again at each replay, kept for the process (one per distinct
         table: a step's tables keep their addresses from call to call)."""
         import cupy
