@@ -6,4 +6,4 @@ from flame.nn.modules import *  # noqa: F403
 from flame.nn.modules import __all__ as _module_names
 from flame.nn.parameter import Buffer, Parameter
 
-__all__ = ["Buffer", "Parameter", "functional", "init", "utils", *_module_names]
+__all__ = ["Buffer", "Parameter", "functional", "init", "parallel", "utils", *_module_names]
