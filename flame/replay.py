@@ -226,27 +226,29 @@ class GraphCache:
         self.lock = threading.Lock()
         self.failed: str | None = None  # why capturing failed; then never tried again
 
-    def run(self, arrays: list, outputs: tuple) -> list | None:
+    def run(self, arrays: list, outputs: tuple, targets=None) -> list | None:
         """The results of one replay; None when capturing failed (the caller then runs the
-        plan step by step, as for a program that is never captured)."""
+        plan step by step, as for a program that is never captured). ``targets``: output
+        slot -> the array it is written into in place (flame/runtime/step_graphs.py)."""
         import cupy
 
         if self.failed is not None:
             return None
-        key = tuple([array.data.ptr for array in arrays])
+        key = self._key(arrays, targets)
         with self.lock:
             entry = self.entries.get(key)
             if entry is None:
                 if len(self.entries) >= self.LIMIT:
                     self.entries.pop(next(iter(self.entries)))
                 try:
-                    entry = self._capture(arrays)
+                    entry = self._capture(arrays, targets)
                 except Exception as error:  # noqa: BLE001  a routine that cannot be captured
                     self.failed = f"{type(error).__name__}: {error}"
                     self.info.graph_failures.append(self.failed)
                     return None
                 self.entries[key] = entry
-            graph, slots, lent, _held = entry
+            graph, slots, lent = entry[:3]
+            self._prepare(entry, arrays)
             for held in lent:  # a result of the last replay the caller still holds
                 storage = held() if held is not None else None
                 if storage is not None and storage.array is not None:
@@ -260,7 +262,13 @@ class GraphCache:
                 results.append(wrap(storage, dtype, shape, site))
             return results
 
-    def _capture(self, arrays: list) -> list:
+    def _key(self, arrays: list, targets) -> tuple:
+        return tuple([array.data.ptr for array in arrays])
+
+    def _prepare(self, entry: list, arrays: list) -> None:
+        """Before a replay's launch (step graphs copy the call's batch in)."""
+
+    def _capture(self, arrays: list, targets=None) -> list:
         """Capture the plan once. Kernels' buffers are allocated before; what library calls
         allocate while capturing comes from the pool on the caller's stream through an
         allocator that keeps every block for the graph (replays write there again)."""

@@ -30,10 +30,9 @@ capture that fails, runs step by step, as before; the reason is in ``cache_info(
 
 from __future__ import annotations
 
-import threading
 import weakref
 
-from flame.runtime.storage import Storage
+from flame.replay import GraphCache
 
 # arguments up to this size are copied into the graph's own buffers at each replay; larger
 # ones (or ones written in place) key the graph by their address
@@ -75,59 +74,28 @@ def wanted(plan, requested) -> bool:
     return bool(requested) or len(plan.launches) >= STEP_GRAPH_LAUNCHES
 
 
-class StepGraphs:
+class StepGraphs(GraphCache):
     """The CUDA graphs of one program that sets gradients or writes in place, keyed by the
-    addresses of what it reads and writes in place (``LIMIT`` kept)."""
+    addresses of what it reads and writes in place (``LIMIT`` kept); replayed, lent and
+    failed as ``GraphCache``'s."""
 
     LIMIT = 2
 
     def __init__(self, plan, info, static_positions: frozenset):
-        self.plan, self.info = plan, info
+        super().__init__(plan, info)
         self.static_positions = static_positions  # sources copied into graph-owned buffers
-        self.entries: dict[tuple, list] = {}
-        self.lock = threading.Lock()
-        self.failed: str | None = None
         _LIVE.add(self)
 
-    def run(self, arrays: list, targets: dict, outputs: tuple) -> list | None:
-        """The results of one replay (tensors over the graph's buffers), or None when the
-        program cannot be captured (the caller runs it step by step)."""
-        import cupy
-
-        if self.failed is not None:
-            return None
+    def _key(self, arrays: list, targets: dict) -> tuple:
         static = self.static_positions
-        key = tuple(
+        return tuple(
             a.data.ptr if index not in static else (a.shape, a.dtype.str)
             for index, a in enumerate(arrays)
         ) + tuple(sorted((slot, t.data.ptr) for slot, t in targets.items()))
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is None:
-                if len(self.entries) >= self.LIMIT:
-                    self.entries.pop(next(iter(self.entries)))
-                try:
-                    entry = self._capture(arrays, targets)
-                except Exception as error:  # noqa: BLE001  a routine that cannot be captured
-                    self.failed = f"{type(error).__name__}: {error}"
-                    self.info.graph_failures.append(self.failed)
-                    return None
-                self.entries[key] = entry
-            graph, slots, lent, buffers, _pool = entry
-            for index, buffer in buffers.items():  # this call's batch, into the graph's memory
-                buffer[...] = arrays[index]
-            for held in lent:  # a result of the last replay the caller still holds
-                storage = held() if held is not None else None
-                if storage is not None and storage.array is not None:
-                    storage.array = storage.array.copy()  # moved out before it is overwritten
-            graph.launch(cupy.cuda.get_current_stream())
-            self.info.graph_replays += 1
-            results = []
-            for index, (slot, dtype) in enumerate(outputs):
-                storage = Storage("cuda", dtype, slots[slot])
-                lent[index] = weakref.ref(storage)
-                results.append(storage)
-            return results
+
+    def _prepare(self, entry: list, arrays: list) -> None:
+        for index, buffer in entry[3].items():  # this call's batch, into the graph's memory
+            buffer[...] = arrays[index]
 
     def _capture(self, arrays: list, targets: dict) -> list:
         import cupy
@@ -173,8 +141,7 @@ class StepGraphs:
         for index in range(len(arrays)):  # addresses are baked in: keep no caller memory
             if index not in plan.output_slots:
                 slots[index] = None
-        lent = [None] * len(plan.output_slots)
-        return [graph, slots, lent, buffers, pool]
+        return [graph, slots, [None] * len(plan.output_slots), buffers, pool]
 
 
 def _describe(step) -> str:
@@ -199,8 +166,6 @@ def static_positions(program, arrays) -> frozenset:
 def replay(program, arrays: list, targets: dict, info) -> list | None:
     """One CUDA-graph launch for a whole program (``flame.compile``'s replay of a program
     that sets gradients or writes in place); None: run it step by step."""
-    from flame.replay import wrap
-
     if program.graphs is True:  # made at the first replay, which knows the arguments
         program.graphs = StepGraphs(program.plan, info, static_positions(program, arrays))
     if not any(kind == "grad" for kind, _ in program.sources):
@@ -209,13 +174,10 @@ def replay(program, arrays: list, targets: dict, info) -> list | None:
             if owner is not None:
                 owner.grad = None
     outputs = tuple(
-        (slot, node.dtype) for node, slot in zip(program.out_nodes, program.plan.output_slots)
+        (slot, node.dtype, node.shape, node.site)
+        for node, slot in zip(program.out_nodes, program.plan.output_slots)
     )
-    storages = program.graphs.run(arrays, targets, outputs)
-    if storages is None:
+    results = program.graphs.run(arrays, outputs, targets)
+    if results is None:
         program.graphs = None
-        return None
-    return [
-        wrap(storage, node.dtype, node.shape, node.site)
-        for node, storage in zip(program.out_nodes, storages)
-    ]
+    return results
