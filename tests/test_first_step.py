@@ -257,3 +257,29 @@ def test_background_size_classes_wait_while_plans_are_built(cuda_backend, tmp_pa
     eager.drain()
     assert cache.stats.background > 0
     eager.stop()
+
+
+def test_only_the_importing_thread_is_refused_pytorch():
+    """The refusal is for the thread importing the frontend: a user's thread importing torch
+    meanwhile gets it."""
+    import threading
+
+    from flame.runtime.library_cudnn import _NoTorchForThisThread
+
+    made = []
+    refused = []
+
+    def in_loading_thread():
+        made.append(_NoTorchForThisThread())
+        for name in ("torch", "torch.nn", "torchvision"):
+            try:
+                made[0].find_spec(name)
+                refused.append((name, False))
+            except ModuleNotFoundError:
+                refused.append((name, True))
+
+    thread = threading.Thread(target=in_loading_thread)
+    thread.start()
+    thread.join()
+    assert refused == [("torch", True), ("torch.nn", True), ("torchvision", False)]
+    assert made[0].find_spec("torch") is None  # this thread: left to the other finders

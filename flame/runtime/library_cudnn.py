@@ -84,21 +84,35 @@ def import_frontend():
     it is importable (cudnn/wrapper.py, for its PyTorch-facing ``Graph`` class), which cost a
     first training step ~30 s on the H100 host (the import, then its custom-op
     registration), on a background thread holding the GIL. FLAME hands the frontend integer
-    pointers and its own data types only, never torch tensors, so ``import torch`` is made
-    to fail for the length of this import; a process that already imported PyTorch keeps it."""
+    pointers and its own data types only, never torch tensors, so ``import torch`` fails for
+    this thread during this import (other threads import it as usual); a process that
+    already imported PyTorch keeps it."""
     import sys
 
     if "torch" in sys.modules:
         import cudnn
 
         return cudnn
-    sys.modules["torch"] = None  # ``import torch`` raises ImportError while this is set
+    refusal = _NoTorchForThisThread()
+    sys.meta_path.insert(0, refusal)
     try:
         import cudnn
     finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+        sys.meta_path.remove(refusal)
     return cudnn
+
+
+class _NoTorchForThisThread:
+    """A meta-path finder that refuses ``torch`` to the thread that made it."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, name, path=None, target=None):
+        refused = name == "torch" or name.startswith("torch.")
+        if refused and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(f"no {name} for the cuDNN frontend (FLAME)", name=name)
+        return None
 
 
 def _load() -> dict:
