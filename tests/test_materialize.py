@@ -66,3 +66,17 @@ def test_a_value_read_once_is_not_written():
     chosen, reasons = materialized_values(graph, handed_out(graph))
     assert not any("recomputing" in reason for reason in reasons.values())
     assert len(run_pipeline(graph).groups) == 1
+
+
+def test_an_update_of_many_parameters_is_several_kernels():
+    """An optimizer-style in-place update of 150 same-shaped tensors: each kernel writes at
+    most MAX_ELEMENTWISE_OUTPUTS values (NVRTC's time grows faster than a kernel's size)."""
+    from flame.ir.passes.fuse import MAX_ELEMENTWISE_OUTPUTS
+
+    with fl.backend("reference"):
+        params = [fl.randn(256).realize() for _ in range(150)]
+        grads = [fl.randn(256).realize() for _ in range(150)]
+        updated = [p - 0.1 * g for p, g in zip(params, grads)]
+        planned = run_pipeline(Graph(tuple(u.node for u in updated)))
+    assert all(len(group.outputs) <= MAX_ELEMENTWISE_OUTPUTS for group in planned.groups)
+    assert len(planned.groups) == -(-150 // MAX_ELEMENTWISE_OUTPUTS)

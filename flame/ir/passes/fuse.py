@@ -49,6 +49,7 @@ from flame.ir.passes.row_keys import (
 from flame.ir.views import MOVEMENT_OPS, View, resolve
 
 MAX_REDUCE_OUTPUTS = 32  # values one reduce kernel writes (its shared-memory scratch, 1 KiB each)
+MAX_ELEMENTWISE_OUTPUTS = 64  # values one elementwise kernel writes (its compile time)
 
 
 def handed_out(graph: Graph) -> dict[int, tuple[Node, Node]]:
@@ -225,13 +226,17 @@ def _form_groups(graph: Graph, materialized, reasons, homes, views):
     pending = list(_split_views_of_roots(grouping, buckets))
     while pending:
         (kind, key, _depth_), roots = pending.pop(0)
-        if kind == "reduce" and len(roots) > MAX_REDUCE_OUTPUTS:
+        most = MAX_REDUCE_OUTPUTS if kind == "reduce" else MAX_ELEMENTWISE_OUTPUTS
+        if len(roots) > most:
             # a reduction kernel keeps a block-sized scratch row per reduction in shared
-            # memory (48 KiB at most): 200 bias gradients of one shape are several kernels
+            # memory (48 KiB at most): 200 bias gradients of one shape are several kernels;
+            # an optimizer's update of 200 same-shaped parameters is several elementwise
+            # kernels (NVRTC's time grows faster than a kernel's size: one kernel of 600
+            # outputs took minutes to compile, its pieces compile in parallel)
             roots = sorted(roots, key=lambda node: position[id(node)])
             pending[0:0] = [
-                ((kind, key, _depth_), roots[start : start + MAX_REDUCE_OUTPUTS])
-                for start in range(0, len(roots), MAX_REDUCE_OUTPUTS)
+                ((kind, key, _depth_), roots[start : start + most])
+                for start in range(0, len(roots), most)
             ]
             continue
         group_key = key if kind == "reduce" else None
