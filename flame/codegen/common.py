@@ -259,9 +259,11 @@ def buffer_params(group: Group, reads: list[Read]) -> tuple[list, list[Read]]:
         for position, output in enumerate(group.outputs)
     ]
     buffers = [read for read in reads if not read.generated]
+    operand = 0  # the read's place among the buffers (each read's own: names are unique)
     for position, read in enumerate(reads):
         read.param = f"in{position}"
         if not read.generated:
             ctype = f"const {read.base.dtype.c_storage}* __restrict__"
-            params.append(Arg("in", ctype, read.param, operand=buffers.index(read)))
+            params.append(Arg("in", ctype, read.param, operand=operand))
+            operand += 1
     return params, buffers
