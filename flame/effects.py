@@ -23,20 +23,20 @@ class Trace:
         # in-place writes to memory: id(storage) -> [storage, the last value written,
         # (tensor, its node before the trace) per tensor written]
         self.writes: dict[int, list] = {}
+        self._written_by: dict[int, object] = {}  # id(tensor written) -> its storage
         self.written: tuple = ()  # the writes as the program makes them (set by _build)
 
     def note_write(self, target: Tensor, storage, value: Node) -> None:
         entry = self.writes.setdefault(id(storage), [storage, value, []])
         entry[1] = value
         if all(tensor is not target for tensor, _ in entry[2]):
-            entry[2].append((target, target.node))
+            entry[2].append((target, target.node))  # kept alive here: its id stays its own
+            self._written_by.setdefault(id(target), storage)
 
     def storage_written(self, target: Tensor):
-        """The memory ``target`` stands for, if this trace wrote it before."""
-        for storage, _, tensors in self.writes.values():
-            if any(tensor is target for tensor, _ in tensors):
-                return storage
-        return None
+        """The memory ``target`` stands for, if this trace wrote it before (the first
+        memory it was written as, as a walk over the writes in order found it)."""
+        return self._written_by.get(id(target))
 
     def restore_written(self) -> None:
         """The written tensors read their memory again (the replay writes it)."""
