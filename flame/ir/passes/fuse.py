@@ -73,6 +73,7 @@ class _Grouping:
         self.extra: dict[int, tuple[Node, str]] = {}
         self._keys: dict[int, object] = {}  # reduction_key per root (materialized is fixed)
         self._members: dict[int, list[Node]] = {}  # root_members per root
+        self._joined: dict[int, tuple | None] = {}  # _joined_key's resolution per child
 
     def members(self, roots: list[Node], key) -> list[Node]:
         found: dict[int, Node] = {}
@@ -151,20 +152,23 @@ class _Grouping:
     def _joined_key(self, child: Node, root: Node):
         """(row key, fits) when ``child`` reads a materialized reduction over ``root``'s
         shape: it may join that kernel only if it reads it as a per-row broadcast."""
-        resolved = resolve(
-            child,
-            lambda base: View.contiguous(base.shape),
-            lambda m: id(m) not in self.materialized,
-        )
-        if resolved is None:
+        found = self._joined.get(id(child), self)
+        if found is self:  # what ``child`` reads, resolved once per child (not per root)
+            found = None
+            resolved = resolve(
+                child,
+                lambda base: View.contiguous(base.shape),
+                lambda m: id(m) not in self.materialized,
+            )
+            if resolved is not None:
+                base, view = resolved
+                if id(base) in self.materialized and get_op(base.op).kind == "reduce":
+                    key = row_key(base)
+                    found = (key, row_view_fits(view, key))
+            self._joined[id(child)] = found
+        if found is None or found[0][0] != root.shape:
             return None
-        base, view = resolved
-        if id(base) not in self.materialized or get_op(base.op).kind != "reduce":
-            return None
-        key = row_key(base)
-        if key[0] != root.shape:
-            return None
-        return key, row_view_fits(view, key)
+        return found
 
     def check_internal_views(self, group_nodes: list[Node], key) -> None:
         """A movement chain over a reduction inside its own kernel must be the plain
