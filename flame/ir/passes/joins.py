@@ -40,9 +40,10 @@ def join_padded_sums(graph: Graph) -> Graph:
             mapped[id(node)] = node
             continue
         rebuilt = with_inputs(node, tuple(mapped[id(child)] for child in node.inputs))
-        if node.op == "add" and id(node) not in inner:
-            rebuilt = _joined(node, inner, mapped) or rebuilt
-        mapped[id(node)] = rebuilt
+        joined = None
+        if node.op == "add" and id(node) not in inner:  # the root of an add tree
+            joined = _joined(node, inner, mapped)
+        mapped[id(node)] = rebuilt if joined is None else joined
     return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
 
 
