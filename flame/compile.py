@@ -84,6 +84,14 @@ def note_grad_assignment(owner: Tensor) -> None:
         trace.note_grad(owner)
 
 
+def note_grad_cleared(owner: Tensor) -> None:
+    """Called by ``zero_grad()`` before it replaces ``owner.grad``: a compiled step that
+    clears its gradients first does not depend on them (no retrace when they appear)."""
+    trace = _tracing.get()
+    if trace is not None:
+        trace.note_grad_cleared(owner)
+
+
 def _storage(tensor: Tensor):
     return storage_of(tensor.node)
 
@@ -275,10 +283,13 @@ class CompiledFunction:
         treedef = flatten(result, leaves)
         grads = []
         for owner, previous in trace.grads.values():
+            # whether a .grad was there matters only if the program reads it (None: it
+            # cleared it first)
+            had = None if id(owner) in trace.cleared else previous is not None
             if owner.grad is None:  # set to None in the function (zero_grad(set_to_none))
-                grads.append((owner, previous is not None, None))
+                grads.append((owner, had, None))
             else:
-                grads.append((owner, previous is not None, len(leaves)))
+                grads.append((owner, had, len(leaves)))
                 leaves.append(owner.grad)
             owner.grad = previous  # the replay reads it, then assigns the program's result
         writes = []

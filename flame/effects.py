@@ -19,6 +19,7 @@ class Trace:
 
     def __init__(self):
         self.grads: dict[int, tuple] = {}  # id(owner) -> (owner, grad held before)
+        self.cleared: set[int] = set()  # owners whose first touch was zero_grad: not read
         self.draws: dict = {}  # generator -> numbers the traced function draws from it
         # in-place writes to memory: id(storage) -> [storage, the last value written,
         # (tensor, its node before the trace) per tensor written]
@@ -53,6 +54,13 @@ class Trace:
     def note_grad(self, owner: Tensor) -> None:
         if id(owner) not in self.grads:
             self.grads[id(owner)] = (owner, owner.grad)
+
+    def note_grad_cleared(self, owner: Tensor) -> None:
+        """``zero_grad()`` replaces ``owner.grad`` before anything in the trace used it: the
+        program never reads the gradient held before, whether there is one or not."""
+        if id(owner) not in self.grads:
+            self.note_grad(owner)
+            self.cleared.add(id(owner))
 
 
 def direct_writes(program, order, inputs, trace) -> tuple:

@@ -59,6 +59,6 @@ class _Program:
     def guards_hold(self) -> bool:
         for owner_ref, had_grad, _ in self.grads:
             owner = owner_ref()
-            if owner is None or (owner.grad is not None) != had_grad:
+            if owner is None or (had_grad is not None and (owner.grad is not None) != had_grad):
                 return False
         return True

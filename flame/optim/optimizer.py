@@ -185,10 +185,12 @@ class Optimizer(abc.ABC):
             self._mirrors[id(group)] = (entry[0], values, entry[2])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        from flame.compile import note_grad_cleared
         from flame.creation import zeros_like
 
         for group in self.param_groups:
             for param in group["params"]:
+                note_grad_cleared(param)  # flame.compile: a step that clears first reads none
                 if param.grad is not None:
                     param.grad = None if set_to_none else zeros_like(param)
 

@@ -319,9 +319,11 @@ class Module(Conversions):
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        from flame.compile import note_grad_cleared
         from flame.creation import zeros_like
 
         for param in self.parameters():
+            note_grad_cleared(param)  # flame.compile: a step that clears first reads none
             if param.grad is not None:
                 param.grad = None if set_to_none else zeros_like(param.grad)
 
