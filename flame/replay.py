@@ -186,25 +186,27 @@ def unflatten(treedef, leaves):
     return treedef[0](unflatten(item, leaves) for item in treedef[1])
 
 
-def capturable(plan, forced: bool) -> bool:
+def capturable(plan, forced: bool, library_ops=None) -> bool:
     """Whether to capture a program into CUDA graphs.
 
     By default: programs of more than one kernel and no library call. Asked for
     (``cuda_graph=True``): any program whose library calls can run under a capture (cuBLAS
-    products and joins, ``CAPTURABLE_LIBRARY_OPS``). Library programs are not captured by
-    default because they are large: their launches already hide behind the GPU's work
-    (measured: the bf16 MLP step's forward + backward, 7.82 ms device time with and without
-    a graph), while a result the caller still holds at the next replay -- the gradients a
-    training loop keeps in ``.grad`` -- has to be copied out of the graph's memory first
-    (+0.63 ms per MLP step)."""
+    products and joins, ``CAPTURABLE_LIBRARY_OPS``, or ``library_ops`` when given). Library
+    programs are not captured by default because they are large: their launches already
+    hide behind the GPU's work (measured: the bf16 MLP step's forward + backward, 7.82 ms
+    device time with and without a graph), while a result the caller still holds at the
+    next replay -- the gradients a training loop keeps in ``.grad`` -- has to be copied out
+    of the graph's memory first (+0.63 ms per MLP step). Training steps of many launches
+    are captured by flame/runtime/step_graphs.py instead."""
     from flame.runtime.executor import CAPTURABLE_LIBRARY_OPS
     from flame.runtime.launch import Launch
 
     if not plan.launches:
         return False
+    allowed = CAPTURABLE_LIBRARY_OPS if library_ops is None else library_ops
     for step in plan.launches:
         if not isinstance(step, Launch):
-            if not forced or step.node.op not in CAPTURABLE_LIBRARY_OPS:
+            if not forced or step.node.op not in allowed:
                 return False
     return forced or len(plan.launches) > 1
 

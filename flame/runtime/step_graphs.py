@@ -61,16 +61,13 @@ STEP_LIBRARY_OPS = frozenset(
 
 def wanted(plan, requested) -> bool:
     """Capture this training program? ``requested``: ``flame.compile``'s ``cuda_graph``."""
+    from flame.replay import capturable
     from flame.runtime.executor import CAPTURABLE_LIBRARY_OPS
-    from flame.runtime.launch import Launch
 
-    if requested is False or not plan.launches:
+    if requested is False:
         return False
-    for step in plan.launches:
-        if not isinstance(step, Launch):
-            op = step.node.op
-            if op not in CAPTURABLE_LIBRARY_OPS and op not in STEP_LIBRARY_OPS:
-                return False
+    if not capturable(plan, True, CAPTURABLE_LIBRARY_OPS | STEP_LIBRARY_OPS):
+        return False
     return bool(requested) or len(plan.launches) >= STEP_GRAPH_LAUNCHES
 
 
