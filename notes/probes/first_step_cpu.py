@@ -196,6 +196,7 @@ def recompile(sources, threads: int, mode: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="unet", choices=("unet", "dit"))
     parser.add_argument("--size", default="full")
     parser.add_argument("--image", type=int, default=32)
     parser.add_argument("--batch", type=int, default=64)
@@ -222,7 +223,7 @@ def main() -> None:
 
     start = time.perf_counter()
     with fl.backend("reference"):  # in-place initialisers write device memory: built here
-        trainer = bd.flame_trainer(("unet", options.size, options.image, options.batch))
+        trainer = bd.flame_trainer((options.model, options.size, options.image, options.batch))
         images, labels = bd.flame_batch(options.image, options.batch)
     move_to_cuda()
     timings["build"] = time.perf_counter() - start
