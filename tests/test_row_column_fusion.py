@@ -65,6 +65,24 @@ def _many_rows_streamed(rng, shape):
     return a - total * b + c * d - e * f, (a * f).sum(0)
 
 
+def _ada_layer_norm_fwd_bwd(rng, shape, dtype="float32"):
+    """A DiT block's adaLN over [N, T, D] tokens: layer norm without affine, then a scale
+    and shift per sample; the gradients of the scale and shift sum over the tokens (a
+    middle axis) of the rows the norm's backward reduces."""
+    n, _, d = shape
+    x = fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(DTYPES[dtype])
+    scale = fl.tensor(0.1 * rng.standard_normal((n, d)).astype(np.float32)).to(DTYPES[dtype])
+    shift = fl.tensor(rng.standard_normal((n, d)).astype(np.float32)).to(DTYPES[dtype])
+    dy = fl.tensor(rng.standard_normal(shape).astype(np.float32)).to(DTYPES[dtype])
+
+    def objective(x, scale, shift):
+        y = F.layer_norm(x, (d,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return fl.sum(y.to(fl.float32) * dy.to(fl.float32))
+
+    _, grads = fl.value_and_grad(objective, argnums=(0, 1, 2))(x, scale, shift)
+    return grads
+
+
 def _plan(outputs):
     return run_pipeline(Graph(tuple(t.node for t in outputs)), verify_each=True)
 
@@ -199,6 +217,8 @@ BUILDS = [
     ("ln_fp16", lambda rng: _layer_norm_fwd_bwd(rng, (8192, 512), "float16")),
     ("ln_long_rows", lambda rng: _layer_norm_fwd_bwd(rng, (4096, 2 * ROW_COLUMN_VALUES))),
     ("softmax_colsum", lambda rng: _softmax_and_column_sum(rng, (8192, 256))),
+    ("adaln_64x256x384", lambda rng: _ada_layer_norm_fwd_bwd(rng, (64, 256, 384))),
+    ("adaln_bf16_6x97x40", lambda rng: _ada_layer_norm_fwd_bwd(rng, (6, 97 * 8, 40), "bfloat16")),
     ("streamed_rows", lambda rng: _many_rows_streamed(rng, (4096, ROW_COLUMN_VALUES))),
 ]
 
@@ -213,6 +233,21 @@ def test_kernels_compile_with_nvrtc(name, build, deterministic, cuda_backend, rn
             continue
         spec = lower_group(group, _layout_of).spec
         assert nvrtc_compile(render(spec), spec.name, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_sums_over_tokens_of_few_samples_are_cut_into_more_strips(cuda_backend, rng):
+    """adaLN's scale and shift gradients ([64, 256, 384] summed over the 256 tokens): the
+    row kernel takes them over as strips, and 64 samples are cut into 4 strips each, so 256
+    blocks walk 64 rows each instead of 64 blocks walking 256 (a small kernel then adds the
+    4 partial rows of each sample)."""
+    graph = _plan(_ada_layer_norm_fwd_bwd(rng, (64, 256, 384)))
+    rows = [g for g in graph.groups if g.kind == "reduce" and _kinds(g) == 2]
+    assert len(rows) == 1, [g.outputs for g in graph.groups]
+    strips = [o.shape for o in rows[0].outputs if len(o.shape) == 3 and o.shape[1] == 1]
+    assert strips == [(256, 1, 384)] * 2
+    assert lower_group(rows[0], _layout_of).grid_items == 256
+    totals = [g for g in graph.groups if g is not rows[0] and g.kind == "reduce"]
+    assert sorted(o.shape for g in totals for o in g.outputs) == [(64, 384)] * 2
 
 
 def test_streamed_rows_still_join(cuda_backend, rng):

@@ -16,6 +16,7 @@ strip's column sums in registers while it has the rows (see ``row_columns.py``).
 
 from __future__ import annotations
 
+from flame.ir import dtypes
 from flame.ir.graph import Graph
 from flame.ir.infer import make_node
 from flame.ir.node import Node
@@ -49,6 +50,8 @@ def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
     rank = len(source.shape)
     if axes and axes == tuple(range(len(axes))) and len(axes) < rank:
         return _split_leading(node, source, axes, (rows or {}).get((source.shape, len(axes)), 0))
+    if axes and axes == tuple(range(axes[0], axes[-1] + 1)) and axes[-1] < rank - 1:
+        return _split_middle(node, source, axes, (rows or {}).get((source.shape, axes[-1] + 1)))
     if not axes or axes != tuple(range(rank - len(axes), rank)):
         return None  # trailing or leading axes only: contiguous work to cut in pieces
     kept = source.shape[: rank - len(axes)]
@@ -109,8 +112,8 @@ def _row_reductions(graph: Graph) -> dict[tuple, int]:
         rank, axes = len(node.inputs[0].shape), node.attr("axes")
         if axes and 0 < axes[0] and axes == tuple(range(axes[0], rank)):
             rows.add((node.inputs[0].shape, axes[0]))
-        elif axes and axes == tuple(range(len(axes))) and len(axes) < rank:
-            key = (node.inputs[0].shape, len(axes))
+        elif axes and axes == tuple(range(axes[0], axes[-1] + 1)) and axes[-1] < rank - 1:
+            key = (node.inputs[0].shape, axes[-1] + 1)  # a middle axis: columns per group
             columns[key] = columns.get(key, 0) + 1
     return {key: count for key, count in columns.items() if key in rows}
 
@@ -138,7 +141,7 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     outputs = prod(rest)
     if outputs >= COLUMN_OUTPUTS or lead < 4096:
         return None
-    fits = beside_rows and outputs * beside_rows <= ROW_COLUMN_VALUES
+    fits = beside_rows and outputs <= ROW_COLUMN_VALUES  # row_columns checks each kernel
     parts = _strips(lead) if fits else None
     if parts is None:
         parts = _column_parts(lead, outputs)
@@ -148,6 +151,54 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
     total = make_node(node.op, (partial,), {"axes": (0,)}, node.site)
     return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+
+
+def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | None:
+    """Sums over middle axes of rows a row kernel also reduces (adaLN's
+    ``d_scale = (dy * x_hat).sum(1)`` over [N, T, D] tokens, next to the norm's row
+    statistics): the row kernel takes them over as strips of ``(P, S, *rest)`` with P the
+    kept leading size, one block a strip. With few leading items (a batch of 64) that is
+    too few blocks, each walking hundreds of rows: the reduced rows are cut into k strips an
+    item (``(P * k, S / k, *rest)``), then the k partial results of each item are reduced.
+    Partial sums of a 16-bit float are kept in float32, so the result is rounded once."""
+    if not beside_rows:
+        return None
+    kept = prod(source.shape[: axes[0]])
+    reduced = prod(source.shape[axes[0] : axes[-1] + 1])
+    rest = source.shape[axes[-1] + 1 :]
+    if kept * 2 > ROW_STRIPS or prod(rest) > ROW_COLUMN_VALUES:
+        return None
+    cuts = _cuts(kept, reduced)
+    if cuts is None:
+        return None
+    pieces = make_node(
+        "reshape", (source,), {"shape": (kept * cuts, reduced // cuts) + rest}, node.site
+    )
+    wide = node.op == "reduce_sum" and node.dtype in (dtypes.float16, dtypes.bfloat16)
+    if wide:
+        pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
+    partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
+    grouped = make_node("reshape", (partial,), {"shape": (kept, cuts) + rest}, node.site)
+    total = make_node(node.op, (grouped,), {"axes": (1,)}, node.site)
+    if wide:
+        total = make_node("cast", (total,), {"dtype": node.dtype}, node.site)
+    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+
+
+def _cuts(kept: int, reduced: int) -> int | None:
+    """Strips an item (a divisor of ``reduced``, each of at least ``MIN_STRIP_ROWS`` rows)
+    that bring ``kept * cuts`` nearest ``ROW_STRIPS`` by ratio; None when only 1 fits."""
+    best, best_ratio = None, 0.0
+    for cuts in range(2, reduced // MIN_STRIP_ROWS + 1):
+        if reduced % cuts:
+            continue
+        parts = kept * cuts
+        ratio = max(parts, ROW_STRIPS) / min(parts, ROW_STRIPS)
+        if best is None or ratio < best_ratio:
+            best, best_ratio = cuts, ratio
+        if parts >= ROW_STRIPS:
+            break
+    return best
 
 
 def _column_parts(lead: int, outputs: int) -> int:
