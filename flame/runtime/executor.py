@@ -22,9 +22,11 @@ from flame.ir.passes import run_pipeline
 from flame.ir.passes.library_views import library_view
 from flame.ir.shapes import contiguous_strides
 from flame.records import Record, field
-from flame.runtime import events, warmup
+from flame.runtime import events, plan_store, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
+from flame.runtime.device import target_arch
 from flame.runtime.launch import Launch
+from flame.runtime.plan_store import PlanStore
 from flame.runtime.siblings import SiblingCompiler
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import RecordedWalk, linearize, record_walk
@@ -114,6 +116,8 @@ class Executor:
         self._lock = threading.Lock()
         self.plan_hits = 0
         self.plan_misses = 0
+        self.plan_disk_hits = 0  # plans loaded from the disk's plan store (plan_store.py)
+        self.plan_store = PlanStore(self.kernels.disk)
         self._warm_up_pending = True
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
         # -> up to WALKS_PER_SITE RecordedWalks, newest first
@@ -265,7 +269,7 @@ class Executor:
             key = ("deterministic", key)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(pending, inputs)
+            plan = self._stored_plan(pending, inputs, key)
             with self._lock:
                 if len(self._plans) >= PLAN_CACHE_SIZE:
                     self._plans.pop(next(iter(self._plans)))
@@ -275,6 +279,28 @@ class Executor:
             self.plan_hits += 1
             if events.active():
                 events.emit("plan", plan=plan, passes=[], seconds=0.0, cached=True)
+        return plan
+
+    def _stored_plan(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
+        """The plan from the disk's plan store (a new process planning a graph an earlier
+        one planned), else built now and stored. ``FLAME_PLAN_CACHE=0``: built only."""
+        if not plan_store.enabled():
+            return self._plan(pending, inputs)
+        store = self.plan_store
+        digest = store.digest(key, self.kernels.arch or target_arch())
+        if digest is not None:
+            self.siblings.busy()
+            plan = store.load(digest, inputs, self._load)
+            if plan is not None:
+                with self._lock:
+                    self.plan_disk_hits += 1
+                if events.active():
+                    events.emit("plan", plan=plan, passes=[], seconds=plan.plan_seconds,
+                                cached=True)  # fmt: skip
+                return plan
+        plan = self._plan(pending, inputs)
+        if digest is not None:
+            store.save(digest, plan, inputs)
         return plan
 
     def run(self, plan: Plan, input_arrays: list) -> list:

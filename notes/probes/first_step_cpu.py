@@ -16,6 +16,9 @@ the seconds of each phase:
 - ``render``: rendering every kernel again, apart;
 - ``nvrtc_threads`` / ``nvrtc_processes``: the plan's kernels compiled again with no cache
   (``--compile``), in N threads or N processes, to see whether NVRTC scales;
+- ``plan_for``: the executor's plan lookups (memory, the disk's plan store, or ``plan``);
+  ``plan_disk_hits``: plans loaded from the plan store (set ``FLAME_PLAN_CACHE=0`` to plan
+  every time);
 - ``siblings``: the background size-class work for the plan's row kernels (lowered and
   rendered, not compiled);
 - ``imports``: modules imported during the step (PyTorch must not be one).
@@ -139,6 +142,20 @@ def record_passes(timings: dict) -> None:
         return result
 
     executor.Executor._plan = plan_timed
+    plan_for = executor.Executor.plan_for
+
+    def plan_for_timed(self, pending, inputs, key):
+        start = time.perf_counter()
+        hits = self.plan_disk_hits
+        result = plan_for(self, pending, inputs, key)
+        timings["plan_for"] = timings.get("plan_for", 0.0) + time.perf_counter() - start
+        if self.plan_disk_hits > hits:  # loaded from the plan store (flame/runtime/plan_store.py)
+            timings["plan_disk_hits"] = timings.get("plan_disk_hits", 0) + 1
+            timings["groups"] = len(result.graph.groups)
+            timings["nodes"] = sum(len(group.nodes) for group in result.graph.groups)
+        return result
+
+    executor.Executor.plan_for = plan_for_timed
 
 
 def move_to_cuda() -> None:

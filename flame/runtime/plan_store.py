@@ -1,0 +1,368 @@
+"""Planned graphs on disk: a new process that builds a graph planned before loads the plan
+instead of running the passes, the lowering and the memory planning again (issue 22: the
+UNet step's first call from a warm disk cache spent ~30 s of the CPU probe in them).
+
+An entry sits in the kernel cache's directory (``DiskCache``: atomic writes, a checksum,
+corrupt files removed; ``flame cache list|clear`` sees and removes plans with the kernels)
+under a key that is the sha256 of:
+
+- the plan key ``linearize`` gives (ops, attributes, sharing, inputs' types and layouts;
+  the executor prefixes the deterministic mode), pickled without a memo, so that the bytes
+  depend on values, never on which objects happen to be shared; ``Token``\\ s (unique
+  attributes) are numbered by their first appearance;
+- FLAME's own sources (every ``flame/**/*.py`` and template), so that any change to the
+  passes or the code generator makes old entries unreachable;
+- the target arch and multiprocessor count (launch grids), ``FLAME_VERIFY``, Python's and
+  NumPy's versions (the payload is a pickle).
+
+The payload holds the post-pass graph as a node table in topological order (inputs by
+integer position: no recursion, whatever the depth), its groups and save-or-recompute
+decision, the kernel specs with their ``spec_key``\\ s (the functions come from the kernel
+cache by key, so nothing is lowered or rendered), the launch arguments, slot numbering,
+releases and planned peak. A load checks the format, the key and the new call's input
+signature, and accepts only FLAME's, NumPy's and a few builtin classes from the pickle:
+anything off is a miss (and the entry is rewritten by the next plan), never an error or a
+wrong plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import math
+import os
+import pickle
+import sys
+import time
+
+from flame.ir.graph import Graph, Group, Remat
+from flame.ir.node import Node, Token, toposort
+from flame.runtime.cache import DiskCache
+
+FORMAT = 1
+# A plan built faster than this is not worth a file (lazy mode builds many small plans).
+MIN_PLAN_SECONDS = 0.02
+
+
+class Unstorable(Exception):
+    """A plan (or key) holds something the store does not write: it is simply not stored."""
+
+
+def enabled() -> bool:
+    """``FLAME_PLAN_CACHE=0`` turns the plan store off (read at each plan miss)."""
+    return os.environ.get("FLAME_PLAN_CACHE", "1") != "0"
+
+
+class PlanStore:
+    """Plans on disk, beside the kernels of ``disk`` (its directory). ``source_digest``
+    defaults to the hash of FLAME's sources; ``min_seconds`` is the least planning time
+    worth storing."""
+
+    def __init__(
+        self, disk: DiskCache, source_digest: str | None = None,
+        min_seconds: float = MIN_PLAN_SECONDS,
+    ):  # fmt: skip
+        self.disk = DiskCache(disk.root)  # the same files, counters of its own
+        self.source_digest = source_digest
+        self.min_seconds = min_seconds
+        self.hits = 0
+        self.misses = 0
+        self.rejected = 0  # entries found but refused (corrupt, stale, another signature)
+        self.writes = 0
+
+    def digest(self, key: tuple, arch: str) -> str | None:
+        """The disk key of a plan key, or None when the key holds something that has no
+        stable bytes (then the plan is neither looked up nor stored)."""
+        context = (
+            FORMAT, self.source_digest or source_digest(), arch, _multiprocessors(),
+            os.environ.get("FLAME_VERIFY", ""), sys.version_info[:2], _numpy_version(),
+        )  # fmt: skip
+        try:
+            data = _key_bytes((context, key))
+        except Exception:  # an attribute pickle refuses: no disk entry for this graph
+            return None
+        return hashlib.sha256(b"flame-plan\0" + data).hexdigest()
+
+    def load(self, digest: str, inputs: list[Node], load_functions):
+        """The stored plan for ``digest`` over ``inputs`` (the caller's graph inputs), its
+        kernels' functions from ``load_functions(sources)`` (``Executor._load``); None on a
+        miss."""
+        start = time.perf_counter()
+        data = self.disk.get(digest)
+        if data is None:
+            self.misses += 1
+            return None
+        try:
+            payload = _SafeUnpickler(io.BytesIO(data)).load()
+            if not _valid(payload, digest, inputs):
+                raise Unstorable("another format, key or input signature")
+            plan = _decode(payload, load_functions, start)
+        except Exception:  # corrupt or stale: a miss, and the next plan rewrites it
+            self.rejected += 1
+            self.misses += 1
+            return None
+        self.hits += 1
+        return plan
+
+    def save(self, digest: str, plan, inputs: list[Node]) -> bool:
+        """Store ``plan`` (built over ``inputs``) under ``digest``; False when it is not
+        stored (too quick to build, or holding what the store does not write)."""
+        if plan.plan_seconds < self.min_seconds:
+            return False
+        try:
+            data = encode(plan, digest, inputs)
+        except Exception:
+            return False
+        self.disk.put(digest, data)
+        self.writes += 1
+        return True
+
+
+# -- the key ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of FLAME's Python sources and templates (~30 ms, once per process)."""
+    from flame.codegen.render import template_dir
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    paths = []
+    for folder, _, names in os.walk(package):
+        paths += [os.path.join(folder, name) for name in names if name.endswith(".py")]
+    templates = str(template_dir())
+    paths += [os.path.join(templates, name) for name in os.listdir(templates)]
+    for path in sorted(paths):
+        with open(path, "rb") as file:
+            data = file.read()
+        name = os.path.relpath(path, os.path.dirname(package))
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def _multiprocessors():
+    """The device's multiprocessor count (grids depend on it); None without a device."""
+    from flame.runtime import launch
+
+    try:
+        return launch.device_info().multiprocessors  # the module's name: probes replace it
+    except Exception:
+        return None
+
+
+def _numpy_version() -> str:
+    import numpy
+
+    return numpy.__version__
+
+
+def _key_token(number: int):  # never called: the key's pickle is hashed, not loaded
+    raise AssertionError("a plan key is never unpickled")
+
+
+class _KeyPickler(pickle.Pickler):
+    """Pickles a plan key without a memo (``fast``): equal values give equal bytes however
+    they are shared; a ``Token`` becomes its number in order of appearance."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        self.fast = True
+        self.tokens: dict[int, tuple] = {}
+
+    def reducer_override(self, value):
+        kind = type(value)
+        if kind is Token:
+            number = self.tokens.setdefault(id(value), (len(self.tokens), value))[0]
+            return _key_token, (number,)
+        if kind is Node:
+            raise Unstorable("a node inside a plan key's attributes")
+        return NotImplemented
+
+
+def _key_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    _KeyPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+# -- the payload ----------------------------------------------------------------------------
+
+
+def _signature(inputs) -> tuple:
+    """What a plan assumes of its inputs: backend, dtype, shape and memory layout."""
+    found = []
+    for node in inputs:
+        storage = node.buffer if node.buffer is not None else node.attr("storage")
+        found.append((storage.backend, node.dtype.name, node.shape, storage.layout()))
+    return tuple(found)
+
+
+class _NodeRefusingPickler(pickle.Pickler):
+    def reducer_override(self, value):
+        if type(value) is Node:
+            raise Unstorable("a node held outside the plan's node table")
+        return NotImplemented
+
+
+def encode(plan, digest: str, inputs: list[Node]) -> bytes:
+    """``plan`` as the bytes ``load`` reads."""
+    from flame.codegen.render import spec_key
+    from flame.runtime.executor import LibraryCall
+
+    graph = plan.graph
+    remat = graph.remat
+    roots = [*graph.outputs, *plan.inputs]
+    for group in graph.groups:
+        roots += [*group.nodes, *group.outputs]
+    roots += [step.node for step in plan.launches if isinstance(step, LibraryCall)]
+    if remat is not None:
+        roots += [entry[0] for entry in (*remat.saved, *remat.recomputed)]
+    nodes = toposort(roots)
+    index = {id(node): position for position, node in enumerate(nodes)}
+    table = [
+        (node.op, tuple([index[id(child)] for child in node.inputs]), node.attrs,
+         node.dtype, node.shape, node.site)
+        for node in nodes
+    ]  # fmt: skip
+
+    def refs(values) -> tuple:
+        return tuple([index[id(node)] for node in values])
+
+    launches = []
+    for step in plan.launches:
+        if isinstance(step, LibraryCall):
+            launches.append(("library", index[id(step.node)], step.inputs, step.output, step.views))
+        else:
+            launches.append((
+                "kernel", step.spec, spec_key(step.spec), step.grid, step.block, step.args,
+                step.writes, step.shapes, step.zeroed,
+            ))  # fmt: skip
+    if remat is not None:
+        saved = tuple((index[id(node)], *rest) for node, *rest in remat.saved)
+        recomputed = tuple((index[id(node)], *rest) for node, *rest in remat.recomputed)
+        remat = (saved, recomputed, remat.without, remat.with_saves, remat.kept)
+    payload = {
+        "format": FORMAT,
+        "digest": digest,
+        "signature": _signature(inputs),
+        "nodes": table,
+        "graph": (graph.name, refs(graph.outputs), remat),
+        "groups": [
+            (group.kind, refs(group.nodes), refs(group.outputs), group.reasons)
+            for group in graph.groups
+        ],
+        "inputs": refs(plan.inputs),
+        "launches": launches,
+        "slots": (plan.slot_count, plan.output_slots, plan.releases, plan.planned_peak_bytes),
+    }
+    buffer = io.BytesIO()
+    _NodeRefusingPickler(buffer, protocol=5).dump(payload)
+    return buffer.getvalue()
+
+
+def _valid(payload, digest: str, inputs) -> bool:
+    return (
+        type(payload) is dict
+        and payload.get("format") == FORMAT
+        and payload.get("digest") == digest
+        and payload.get("signature") == _signature(inputs)
+    )
+
+
+def _decode(payload: dict, load_functions, start: float):
+    from flame.codegen.render import render
+    from flame.runtime.executor import LibraryCall, Plan
+    from flame.runtime.launch import Launch
+
+    nodes: list[Node] = []
+    for op, children, attrs, dtype, shape, site in payload["nodes"]:
+        inputs = tuple([nodes[child] for child in children])
+        nodes.append(Node(op, inputs, _canonical_attrs(attrs), dtype, shape, site))
+
+    def at(refs) -> tuple:
+        return tuple([nodes[ref] for ref in refs])
+
+    name, outputs, remat = payload["graph"]
+    if remat is not None:
+        saved, recomputed, without, with_saves, kept = remat
+        saved = tuple((nodes[ref], *rest) for ref, *rest in saved)
+        recomputed = tuple((nodes[ref], *rest) for ref, *rest in recomputed)
+        remat = Remat(saved, recomputed, without, with_saves, kept)
+    groups = tuple(
+        Group(kind, at(members), at(written), reasons)
+        for kind, members, written, reasons in payload["groups"]
+    )  # fmt: skip
+    graph = Graph(at(outputs), name, groups, remat)
+    kernels = [entry for entry in payload["launches"] if entry[0] == "kernel"]
+    sources = [
+        (functools.partial(render, spec), spec.name, key, spec)
+        for _, spec, key, *_ in kernels
+    ]  # fmt: skip
+    functions = iter(load_functions(sources) if sources else ())
+    launches = []
+    for entry in payload["launches"]:
+        if entry[0] == "library":
+            _, node, call_inputs, output, views = entry
+            launches.append(LibraryCall(nodes[node], call_inputs, output, views))
+        else:
+            _, spec, _, grid, block, args, writes, shapes, zeroed = entry
+            function = next(functions)
+            launches.append(Launch(spec, function, grid, block, args, writes, shapes, zeroed))
+    slot_count, output_slots, releases, peak = payload["slots"]
+    if len(releases) != len(launches) or len(groups) != len(launches):
+        raise Unstorable("launches, groups and releases disagree")
+    seconds = time.perf_counter() - start
+    return Plan(
+        tuple(launches), slot_count, output_slots, graph, seconds, releases, peak,
+        at(payload["inputs"]),
+    )  # fmt: skip
+
+
+def _canonical_attrs(attrs: tuple) -> tuple:
+    """Attributes as the graph builders make them: every NaN the one ``infer.NAN`` object
+    (attributes hash by value, and a NaN's hash is its identity)."""
+    if not attrs:
+        return attrs
+    changed = False
+    fixed = []
+    for name, value in attrs:
+        canonical = _canonical(value)
+        changed = changed or canonical is not value
+        fixed.append((name, canonical))
+    return tuple(fixed) if changed else attrs
+
+
+def _canonical(value):
+    kind = type(value)
+    if kind is float and math.isnan(value):
+        from flame.ir.infer import NAN
+
+        return NAN
+    if kind is tuple:
+        items = [_canonical(item) for item in value]
+        if any(item is not old for item, old in zip(items, value)):
+            return tuple(items)
+    return value
+
+
+_BUILTINS = frozenset(
+    {"bool", "int", "float", "complex", "str", "bytes", "tuple", "list", "dict", "set",
+     "frozenset", "slice", "range", "bytearray"}
+)  # fmt: skip
+_MODULES = ("flame.", "numpy", "ml_dtypes")
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Loads only FLAME's classes, NumPy's and plain builtins: a file in the cache
+    directory cannot name other code to run."""
+
+    def find_class(self, module: str, name: str):
+        if module == "builtins" and name in _BUILTINS:
+            return super().find_class(module, name)
+        if module == "copyreg" and name in ("_reconstructor", "__newobj__"):
+            return super().find_class(module, name)
+        if module.startswith(_MODULES) or module == "numpy":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the plan store refuses {module}.{name}")
