@@ -70,6 +70,7 @@ class PlanStore:
         self.misses = 0
         self.rejected = 0  # entries found but refused (corrupt, stale, another signature)
         self.writes = 0
+        self.unstorable = ""  # why the last plan not stored was refused (diagnosis)
 
     def digest(self, key: tuple, arch: str) -> str | None:
         """The disk key of a plan key, or None when the key holds something that has no
@@ -112,7 +113,8 @@ class PlanStore:
             return False
         try:
             data = encode(plan, digest, inputs)
-        except Exception:
+        except Exception as error:
+            self.unstorable = f"{type(error).__name__}: {error}"
             return False
         self.disk.put(digest, data)
         self.writes += 1
@@ -199,11 +201,36 @@ def _signature(inputs) -> tuple:
     return tuple(found)
 
 
-class _NodeRefusingPickler(pickle.Pickler):
+class _PayloadPickler(pickle.Pickler):
+    """Writes only what ``_SafeUnpickler`` reads back: plain builtins, FLAME's few plan
+    classes, NumPy scalars, dtypes and arrays; a node outside the node table, or any other
+    object, makes the plan unstorable."""
+
     def reducer_override(self, value):
-        if type(value) is Node:
-            raise Unstorable("a node held outside the plan's node table")
-        return NotImplemented
+        kind = type(value)
+        if kind in _stored_classes() or isinstance(value, _numpy_instances()):
+            return NotImplemented
+        module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if isinstance(module, str) and isinstance(name, str) and _allowed(module, name, value):
+            return NotImplemented  # a class or function by name: one the unpickler takes
+        raise Unstorable(f"a {kind.__module__}.{kind.__qualname__} in the plan")
+
+
+@functools.lru_cache(maxsize=1)
+def _stored_classes() -> frozenset:
+    from flame.codegen.spec import Arg, KernelSpec
+    from flame.ir.dtypes import DType
+    from flame.ir.infer import SizeValue
+    from flame.ir.views import View
+    from flame.runtime.storage import PlannedInput
+
+    return frozenset({DType, PlannedInput, KernelSpec, Arg, View, SizeValue, Token})
+
+
+def _numpy_type(value) -> bool:
+    import numpy
+
+    return isinstance(value, type) and issubclass(value, (numpy.generic, numpy.dtype))
 
 
 def encode(plan, digest: str, inputs: list[Node]) -> bytes:
@@ -258,7 +285,7 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
         "slots": (plan.slot_count, plan.output_slots, plan.releases, plan.planned_peak_bytes),
     }
     buffer = io.BytesIO()
-    _NodeRefusingPickler(buffer, protocol=5).dump(payload)
+    _PayloadPickler(buffer, protocol=5).dump(payload)
     return buffer.getvalue()
 
 
@@ -349,20 +376,44 @@ def _canonical(value):
 
 _BUILTINS = frozenset(
     {"bool", "int", "float", "complex", "str", "bytes", "tuple", "list", "dict", "set",
-     "frozenset", "slice", "range", "bytearray"}
+     "frozenset", "slice", "bytearray"}
 )  # fmt: skip
-_MODULES = ("flame.", "numpy", "ml_dtypes")
+# (module, name) of FLAME's classes and functions a payload names (``_stored_classes``)
+_FLAME_GLOBALS = frozenset(
+    {("flame.ir.dtypes", "dtype"), ("flame.runtime.storage", "PlannedInput"),
+     ("flame.codegen.spec", "KernelSpec"), ("flame.codegen.spec", "Arg"),
+     ("flame.ir.views", "View"), ("flame.ir.infer", "SizeValue"), ("flame.ir.node", "Token")}
+)  # fmt: skip
+_NUMPY_GLOBALS = frozenset({"scalar", "dtype", "ndarray", "_reconstruct"})
+
+
+def _numpy_instances() -> tuple:
+    import numpy
+
+    return (numpy.generic, numpy.dtype, numpy.ndarray)
+
+
+def _allowed(module: str, name: str, value) -> bool:
+    """Whether a payload may name ``module.name`` (``value``, what it is)."""
+    if "." in name:  # a dotted name reaches through attributes
+        return False
+    if module == "builtins":
+        return name in _BUILTINS
+    if module.split(".")[0] in ("numpy", "ml_dtypes"):
+        return name in _NUMPY_GLOBALS or _numpy_type(value)
+    return (module, name) in _FLAME_GLOBALS
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    """Loads only FLAME's classes, NumPy's and plain builtins: a file in the cache
-    directory cannot name other code to run."""
+    """Loads only what ``_PayloadPickler`` writes: a file in the cache directory cannot
+    name other code to run."""
 
     def find_class(self, module: str, name: str):
-        if module == "builtins" and name in _BUILTINS:
-            return super().find_class(module, name)
-        if module == "copyreg" and name in ("_reconstructor", "__newobj__"):
-            return super().find_class(module, name)
-        if module.startswith(_MODULES) or module == "numpy":
-            return super().find_class(module, name)
+        if "." not in name and (
+            module == "builtins" or (module, name) in _FLAME_GLOBALS
+            or module.split(".")[0] in ("numpy", "ml_dtypes")
+        ):  # fmt: skip
+            found = super().find_class(module, name)
+            if _allowed(module, name, found):
+                return found
         raise pickle.UnpicklingError(f"the plan store refuses {module}.{name}")
