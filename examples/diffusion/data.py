@@ -147,27 +147,40 @@ def held_out_split(data: Dataset, fraction: float = 0.1, seed: int = 0) -> tuple
 
 
 class BatchLoader:
-    """Endless shuffled batches of a dataset as FLAME tensors ``(images, labels)``.
+    """Endless shuffled batches of a dataset as FLAME tensors ``(images, labels)``, this
+    rank's share of each epoch (``rank`` of ``world_size``; one process: everything).
 
-    Each epoch's order is a permutation drawn from a seeded NumPy generator; the last,
-    partial batch of an epoch is dropped so that every step has the same shapes. A
-    background thread slices the batches and copies them to FLAME (the current backend when
-    the loader was made) up to ``prefetch`` batches ahead, so the copy overlaps the step.
+    Each epoch's order comes from a ``DistributedSampler`` (PyTorch's permutation, seeded by
+    ``seed + epoch`` through ``set_epoch``, alike on every rank; rank r takes every
+    ``world_size``-th index from r, the tail that does not divide among the ranks dropped);
+    the last, partial batch of a rank's share is dropped so that every step has the same
+    shapes. Global batch k of an epoch is positions ``[k*g, (k+1)*g)`` of the permutation,
+    ``g = batch_size * world_size``, whatever the world size. A background thread slices
+    the batches and copies them to FLAME (the current backend when the loader was made) up
+    to ``prefetch`` batches ahead, so the copy overlaps the step.
 
-    ``state_dict()`` is the position of the next batch to be handed out (epoch, batch, and
-    the generator's state at the start of that epoch); a loader given it hands out the same
-    batches from there on, which is what resuming a run needs."""
+    ``state_dict()`` is the position of the next batch: the epoch, and how many images of it
+    every rank together has been handed (plus this loader's batch index, for reading). A
+    loader given it hands out the same batches from there on, in a world of any size (a
+    position between two of its global batches rounds back to the earlier one)."""
 
-    def __init__(self, data: Dataset, batch_size: int, seed: int = 0, prefetch: int = 2):
-        if len(data.labels) < batch_size:
-            raise DataError(
-                f"batch size {batch_size} is larger than the {len(data.labels)} training images"
-            )
+    def __init__(self, data: Dataset, batch_size: int, seed: int = 0, prefetch: int = 2,
+                 rank: int = 0, world_size: int = 1):  # fmt: skip
+        from flame.utils.data import DistributedSampler
+
+        count = len(data.labels)
+        self.sampler = DistributedSampler(range(count), num_replicas=world_size, rank=rank,
+                                          seed=seed, drop_last=True)  # fmt: skip
+        if len(self.sampler) < batch_size:
+            where = f"the {count} training images"
+            if world_size > 1:
+                where = f"a rank's share of {where} ({len(self.sampler)} with {world_size} ranks)"
+            raise DataError(f"batch size {batch_size} is larger than {where}")
         self.data, self.batch_size, self.prefetch = data, batch_size, prefetch
-        self.batches_per_epoch = len(data.labels) // batch_size
+        self.world_size = world_size
+        self.batches_per_epoch = len(self.sampler) // batch_size
         self.backend = fl.get_backend()
-        rng_state = np.random.default_rng(seed).bit_generator.state
-        self._position = {"epoch": 0, "batch": 0, "rng": rng_state}
+        self._position = {"epoch": 0, "batch": 0, "images": 0}
         self._thread = None
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -176,9 +189,19 @@ class BatchLoader:
         return dict(self._position)
 
     def load_state_dict(self, state: dict) -> None:
+        """A position saved by a loader of any world size. (A state of the earlier format,
+        with the epoch's generator state, continues its epoch in the sampler's order.)"""
         self.close()
-        self._position = {"epoch": int(state["epoch"]), "batch": int(state["batch"]),
-                          "rng": state["rng"]}  # fmt: skip
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        images = int(state.get("images", batch * self.batch_size))
+        batch = min(images // (self.batch_size * self.world_size), self.batches_per_epoch)
+        self._position = self._at(epoch, batch)
+
+    def _at(self, epoch: int, batch: int) -> dict:
+        if batch >= self.batches_per_epoch:
+            epoch, batch = epoch + 1, 0
+        images = batch * self.batch_size * self.world_size
+        return {"epoch": epoch, "batch": batch, "images": images}
 
     def __iter__(self):
         return self
@@ -208,19 +231,16 @@ class BatchLoader:
             self._put(error)
 
     def _batches(self, start: dict) -> None:
-        rng = np.random.default_rng()
-        rng.bit_generator.state = start["rng"]
         epoch, first = start["epoch"], start["batch"]
         size = self.batch_size
         while not self._stop.is_set():
-            epoch_state = rng.bit_generator.state
-            order = rng.permutation(len(self.data.labels))
+            self.sampler.set_epoch(epoch)
+            order = np.array(list(self.sampler), dtype=np.int64)
             for index in range(first, self.batches_per_epoch):
                 chosen = order[index * size : (index + 1) * size]
                 images = fl.tensor(self.data.images[chosen]).realize()
                 labels = fl.tensor(self.data.labels[chosen]).realize()
-                after = {"epoch": epoch, "batch": index + 1, "rng": epoch_state}
-                if not self._put((after, images, labels)):
+                if not self._put((self._at(epoch, index + 1), images, labels)):
                     return
             epoch, first = epoch + 1, 0
 

@@ -20,6 +20,9 @@ uninterrupted run would have had. At the end the EMA weights are sampled (DDPM o
 and ``loss.png``, ``samples.png`` (one row per class) and ``quality.json`` (how often a
 classifier trained on the real digits recognises the class each sample was asked for) are
 written to ``--out``. Without a GPU everything runs on FLAME's reference backend.
+
+Data-parallel: ``flame run --nproc-per-node N -m examples.diffusion.train ARGS`` (or
+torchrun) runs N ranks, ``--batch-size`` images each; see parallel.py.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 import flame as fl
 import flame.nn as nn
 from examples.diffusion import data as datasets
+from examples.diffusion import parallel
 from examples.diffusion.diffusion import PREDICTIONS, SCHEDULES, Sampler, make_schedule
 from examples.diffusion.diffusion import training_loss as diffusion_loss
 from flame.optim.swa_utils import AveragedModel
@@ -190,8 +194,8 @@ def run_config(options, train: datasets.Dataset) -> dict:
 class Trainer:
     """The model, its EMA, the optimizer, the generator and the compiled step of one run."""
 
-    def __init__(self, options, config: dict, builder=None):
-        self.options, self.config = options, config
+    def __init__(self, options, config: dict, builder=None, world=parallel.ONE_PROCESS):
+        self.options, self.config, self.world = options, config, world
         fl.manual_seed(options.seed)  # the initial weights
         build = builder or default_builder
         # blocks that recompute their activations in the backward (fl.checkpoint): the
@@ -208,14 +212,17 @@ class Trainer:
         # from the device (flame/optim/lr_scheduler.py), so a new rate is no retrace
         self.scheduler = fl.optim.lr_scheduler.LambdaLR(self.optimizer, Warmup(options.warmup))
         self.generator = fl.Generator().manual_seed(options.seed + 1)
+        parallel.own_streams(world, self.generator, fl.random.default_generator)
         self.schedule = make_schedule(config["schedule"])
         self.step, self.losses = 0, []
-        self.compiled = None
+        self.forward_model, self.compiled = self.model, None  # prepare() sets both
 
     def prepare(self) -> None:
-        """Build the compiled step (before or after a checkpoint load: a load writes into the
-        tensors the step reads)."""
-        self.compiled = fl.compile(self.train_step)
+        """Wrap the model for data-parallel training (rank 0's weights to every rank) and
+        build the compiled step (after any checkpoint load: a load writes into the tensors
+        the step reads)."""
+        self.forward_model = parallel.wrap(self.model, self.world)
+        self.compiled = fl.compile(self.train_step) if self.world.compiles else self.train_step
 
     def run_step(self, images, labels):
         """One compiled step, then the schedule's step (outside it, as in PyTorch)."""
@@ -228,7 +235,7 @@ class Trainer:
         options = self.options
         with fl.autocast(dtype=fl.bfloat16, enabled=options.bf16):
             loss = diffusion_loss(
-                self.model, images, labels, self.schedule, prediction=options.prediction,
+                self.forward_model, images, labels, self.schedule, prediction=options.prediction,
                 cfg_dropout=options.cfg_dropout, num_classes=self.config["num_classes"],
                 generator=self.generator,
             )  # fmt: skip
@@ -276,6 +283,7 @@ class Trainer:
         self.scheduler.step()
         self.losses = list(extra.get("losses", []))
         self.generator.set_state(np.array(extra["generator"], dtype=np.int64))
+        parallel.own_streams(self.world, self.generator, fl.random.default_generator)
         if loader is not None:
             loader.load_state_dict(extra["data"])
 
@@ -318,47 +326,55 @@ def last_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def clear_checkpoints(directory: Path, allowed: bool) -> None:
+def clear_checkpoints(directory: Path, allowed: bool, remove: bool = True) -> None:
     """A fresh run must not mix its checkpoints with an earlier run's: it removes them when
-    allowed (``--overwrite``, ``--quick``) and refuses otherwise."""
+    allowed (``--overwrite``, ``--quick``; every rank checks, only rank 0 ``remove``s) and
+    refuses otherwise."""
     found = sorted(directory.glob("ckpt-*.safetensors"))
     if found and not allowed:
         raise CheckpointError(
             f"{directory} already holds checkpoints of an earlier run (last: {found[-1].name}); "
             "pass --resume to continue it, --overwrite to start afresh, or another --out"
         )
-    for path in found:
+    for path in found if remove else ():
         path.unlink()
 
 
 # --- training ---------------------------------------------------------------------------------
 
 
-def train(options, builder=None) -> dict:
+def train(options, builder=None, world=parallel.ONE_PROCESS) -> dict:
+    """Train (every rank), then plot, sample and judge (rank 0, the others wait for it)."""
     train_data, held_out = load_data(options)
     config = run_config(options, train_data)
     options.out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(options, config, builder)
-    loader = datasets.BatchLoader(train_data, options.batch_size, seed=options.seed)
+    trainer = Trainer(options, config, builder, world)
+    loader = datasets.BatchLoader(train_data, options.batch_size, seed=options.seed,
+                                  rank=world.rank, world_size=world.world_size)  # fmt: skip
     if options.resume:
         path = options.checkpoint or last_checkpoint(options.out)
         if path is None:
             raise CheckpointError(f"--resume: no checkpoint in {options.out}")
         trainer.load(path, loader)
-        print(f"resumed from {path} at step {trainer.step}")
+        if world.is_main:
+            print(f"resumed from {path} at step {trainer.step}")
     else:
-        clear_checkpoints(options.out, options.overwrite or options.quick or options.scratch)
+        allowed = options.overwrite or options.quick or options.scratch
+        clear_checkpoints(options.out, allowed, remove=world.is_main)
     trainer.prepare()
     try:
         timing = run_steps(trainer, loader, options)
     finally:
         loader.close()
-    datasets.plot_losses(trainer.losses, options.out / "loss.png")
-    quality = sample_and_judge(trainer, train_data, held_out, options)
     summary = {"steps": trainer.step, "final_loss": _final_loss(trainer.losses), **timing,
-               "agreement": quality["agreement"],
-               "classifier_heldout_accuracy": quality["classifier_heldout_accuracy"]}  # fmt: skip
-    print_summary(summary, options.out)
+               "agreement": None, "classifier_heldout_accuracy": None}  # fmt: skip
+    if world.is_main:
+        datasets.plot_losses(trainer.losses, options.out / "loss.png")
+        quality = sample_and_judge(trainer, train_data, held_out, options)
+        for key in ("agreement", "classifier_heldout_accuracy"):
+            summary[key] = quality[key]
+        print_summary(summary, options.out)
+    parallel.barrier(world)
     return summary
 
 
@@ -390,9 +406,10 @@ def run_steps(trainer: Trainer, loader, options) -> dict:
     (a read waits for the device), a checkpoint every ``--save-every`` steps."""
     from tqdm import tqdm
 
-    bar = tqdm(total=options.steps, initial=trainer.step, disable=options.no_progress,
-               unit="step", dynamic_ncols=True)  # fmt: skip
-    meter, pending = Throughput(options.batch_size), []
+    world = trainer.world
+    bar = tqdm(total=options.steps, initial=trainer.step, unit="step", dynamic_ncols=True,
+               disable=options.no_progress or not world.is_main)  # fmt: skip
+    meter, pending = Throughput(options.batch_size * world.world_size), []
     for index in range(trainer.step, options.steps):
         images, labels = next(loader)
         clock = time.perf_counter()
@@ -402,12 +419,13 @@ def run_steps(trainer: Trainer, loader, options) -> dict:
         trainer.step = index + 1
         saving = trainer.step % options.save_every == 0 or trainer.step == options.steps
         if len(pending) == LOG_EVERY or saving:
-            trainer.losses += fl.stack(pending).numpy().tolist()
+            losses = parallel.mean_over_ranks(fl.stack(pending), world)
+            trainer.losses += losses.numpy().tolist()
             pending = []
             rate = meter.images_per_s()
             bar.set_postfix(loss=f"{trainer.losses[-1]:.4f}", img_s=f"{rate or 0:.1f}")
         bar.update(1)
-        if saving:
+        if saving and world.is_main:
             clock = time.perf_counter()
             trainer.save(options.out, loader)
             meter.paused_s += time.perf_counter() - clock
@@ -487,22 +505,17 @@ def sample_only(options, builder=None) -> dict:
 
 
 def main(argv=None, builder=None):
-    """Parse ``argv``, choose the backend (the GPU where there is one) and run. ``builder``
-    replaces ``models.build_model`` (the tests pass a small stand-in)."""
+    """Parse ``argv``, choose the backend (the GPU where there is one), join the other ranks
+    when launched, and run. ``builder`` replaces ``models.build_model`` (the tests pass a
+    small stand-in)."""
     options = parse_args(argv, gpu=None)
-    from flame.runtime.device import gpu_available, gpu_unavailable_reason
-
-    backend = "cuda"
-    if options.reference:
-        backend = "reference"
-    elif not gpu_available():
-        print(f"no GPU ({gpu_unavailable_reason()}): running on the reference backend")
-        backend = "reference"
+    # when launched (flame run, torchrun): this rank's GPU, and the process group
+    backend, world = parallel.start(options.reference)
     apply_preset(options, backend == "cuda")
-    with fl.backend(backend):
-        if options.sample:
-            return sample_only(options, builder)
-        return train(options, builder)
+    with fl.backend(backend), parallel.failing_together(world):
+        if options.sample:  # rank 0 alone, when launched
+            return sample_only(options, builder) if world.is_main else None
+        return train(options, builder, world)
 
 
 if __name__ == "__main__":

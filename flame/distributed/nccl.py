@@ -46,14 +46,23 @@ def _local_rank() -> int | None:
     return int(text)
 
 
+def select_local_device() -> None:
+    """Where CUDA has not started in this process and LOCAL_RANK is set, narrow
+    CUDA_VISIBLE_DEVICES to that GPU (device 0 for every thread). A script that must ask
+    whether there is a GPU before ``init_process_group("nccl")`` (which starts CUDA) calls
+    this first, so that the question does not fix the device set."""
+    local_rank = _local_rank()
+    if local_rank is not None and not library_nccl.cuda_initialized():
+        library_nccl.narrow_visible_devices(local_rank)
+
+
 def prepare_device(rank: int) -> int:
     """Choose and select the rank's GPU, before any store or socket is made; the errors say
     what is missing (a GPU, the NCCL wheel). Returns the device's index in this process."""
     from flame.runtime.device import gpu_available, gpu_unavailable_reason
 
+    select_local_device()
     local_rank = _local_rank()
-    if local_rank is not None and not library_nccl.cuda_initialized():
-        library_nccl.narrow_visible_devices(local_rank)
     if not gpu_available():
         raise RuntimeError(
             f"init_process_group(backend='nccl'): rank {rank} finds no usable GPU "
