@@ -61,6 +61,7 @@ def cpu_planning(monkeypatch):
 def new_executor(directory) -> CpuExecutor:
     executor = CpuExecutor(KernelCache(DiskCache(directory), arch="sm_90"))
     executor.plan_store.min_seconds = 0.0  # the small test graphs are stored too
+    executor.plan_store.min_nodes = 0
     return executor
 
 
@@ -368,14 +369,15 @@ def test_other_sources_or_arch_are_other_keys(cpu_planning, tmp_path, rng):
     executor = new_executor(tmp_path)
     _, _, key = plan_of(executor, rows(rng))
     store = executor.plan_store
-    assert store.digest(key, "sm_90") == plan_store.PlanStore(DiskCache(tmp_path)).digest(
-        key, "sm_90"
-    )
+    same = plan_store.PlanStore(DiskCache(tmp_path))
     changed = plan_store.PlanStore(DiskCache(tmp_path), source_digest="0" * 64)
+    same.min_nodes = changed.min_nodes = 0
+    assert same.digest(key, "sm_90") == store.digest(key, "sm_90")
     assert changed.digest(key, "sm_90") != store.digest(key, "sm_90")
     assert store.digest(key, "sm_80") != store.digest(key, "sm_90")
     later = new_executor(tmp_path)
-    later.plan_store = plan_store.PlanStore(DiskCache(tmp_path), "0" * 64, min_seconds=0.0)
+    later.plan_store = changed
+    changed.min_seconds = 0.0
     rng.bit_generator.state = state
     plan_of(later, rows(rng))
     assert later.plan_disk_hits == 0 and later.plan_store.writes == 1
@@ -395,6 +397,7 @@ def test_the_key_has_stable_bytes_and_keeps_token_sharing():
     """Keys by value, not by object: equal graphs built apart give one digest; a graph
     whose two nodes share a token differs from one where each has its own."""
     store = plan_store.PlanStore(DiskCache("/nonexistent"), source_digest="s")
+    store.min_nodes = 0
 
     def key(shared: bool):
         leaf = Node("buffer", (), (("storage", PlannedInput("cuda", fl.float32, ((1,), True))),),
@@ -424,11 +427,15 @@ def test_a_disk_hit_emits_the_plan_event(cpu_planning, tmp_path, rng):
     assert len(plans) == 1 and plans[0]["plan"] is plan and plans[0]["cached"] is True
 
 
-def test_quick_plans_are_not_stored(cpu_planning, tmp_path, rng):
+def test_quick_plans_and_small_graphs_are_not_stored(cpu_planning, tmp_path, rng):
     executor = new_executor(tmp_path)
     executor.plan_store.min_seconds = 3600.0
     plan_of(executor, elementwise(rng))
     assert executor.plan_store.writes == 0 and DiskCache(tmp_path).entries() == []
+    small = Executor(KernelCache(DiskCache(tmp_path), arch="sm_90"))  # the default limits
+    _, _, key = plan_of(new_executor(tmp_path), elementwise(rng))
+    assert len(key) - 1 < plan_store.MIN_NODES  # a lazy result's few nodes: never looked up
+    assert small.plan_store.digest(key, "sm_90") is None
 
 
 def test_the_default_store_follows_the_kernel_cache_directory(tmp_path):

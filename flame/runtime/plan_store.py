@@ -43,6 +43,9 @@ from flame.runtime.cache import DiskCache
 FORMAT = 1
 # A plan built faster than this is not worth a file (lazy mode builds many small plans).
 MIN_PLAN_SECONDS = 0.02
+# Graphs of fewer nodes are never looked up: they plan in milliseconds, and a new process's
+# first lazy result must not pay for hashing FLAME's sources (~30 ms, once).
+MIN_NODES = 64
 
 
 class Unstorable(Exception):
@@ -66,6 +69,7 @@ class PlanStore:
         self.disk = DiskCache(disk.root)  # the same files, counters of its own
         self.source_digest = source_digest
         self.min_seconds = min_seconds
+        self.min_nodes = MIN_NODES
         self.hits = 0
         self.misses = 0
         self.rejected = 0  # entries found but refused (corrupt, stale, another signature)
@@ -73,8 +77,13 @@ class PlanStore:
         self.unstorable = ""  # why the last plan not stored was refused (diagnosis)
 
     def digest(self, key: tuple, arch: str) -> str | None:
-        """The disk key of a plan key, or None when the key holds something that has no
-        stable bytes (then the plan is neither looked up nor stored)."""
+        """The disk key of a plan key (the executor's: ``linearize``'s, or
+        ``("deterministic", that)``), or None when the graph is too small to be worth it
+        (``min_nodes``) or the key holds something without stable bytes: then the plan is
+        neither looked up nor stored."""
+        parts = key[1] if key[0] == "deterministic" else key
+        if len(parts) - 1 < self.min_nodes:  # the last part lists the roots
+            return None
         context = (
             FORMAT, self.source_digest or source_digest(), arch, _multiprocessors(),
             os.environ.get("FLAME_VERIFY", ""), sys.version_info[:2], _numpy_version(),
