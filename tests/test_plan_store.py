@@ -441,3 +441,58 @@ def test_quick_plans_and_small_graphs_are_not_stored(cpu_planning, tmp_path, rng
 def test_the_default_store_follows_the_kernel_cache_directory(tmp_path):
     executor = Executor(KernelCache(DiskCache(tmp_path)))
     assert executor.plan_store.disk.root == tmp_path
+
+
+GPU_STEP = """
+import json
+import numpy as np
+import flame as fl
+import flame.nn as nn
+import flame.nn.functional as F
+from flame.runtime.executor import default_executor
+
+default_executor().plan_store.min_seconds = 0.0  # stored however quickly the GPU host plans
+fl.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8))
+opt = fl.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@fl.compile
+def step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+rng = np.random.default_rng(0)
+x = fl.tensor(rng.standard_normal((16, 32)).astype(np.float32))
+y = fl.tensor(rng.standard_normal((16, 8)).astype(np.float32))
+losses = [float(step(x, y).item()) for _ in range(3)]
+print(json.dumps({
+    "disk_hits": default_executor().plan_disk_hits,
+    "losses": losses,
+    "weight": model[0].weight.numpy().tolist(),
+}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_new_process_trains_from_the_stored_plan_on_the_gpu(tmp_path):
+    """A compiled training step in two processes over one cache directory: the second
+    loads the step's plan from disk and trains to the same losses and weights."""
+    env = {**os.environ, "FLAME_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": ROOT}
+    env.pop("FLAME_PLAN_CACHE", None)
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", GPU_STEP], env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["disk_hits"] == 0 and second["disk_hits"] >= 1
+    np.testing.assert_allclose(second["losses"], first["losses"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second["weight"], first["weight"], rtol=1e-5, atol=1e-6)
