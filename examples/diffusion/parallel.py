@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +140,31 @@ def barrier(world: World) -> None:
         import flame.distributed as dist
 
         dist.barrier()
+
+
+class Throughput:
+    """The first step's time (tracing and compiling included) and the images per second of
+    the steps after it, checkpoint writing left out, over the whole job (every rank's
+    batch: a rank steps at the pace of the slowest, the all-reduce waits for it)."""
+
+    def __init__(self, batch_size: int, world: World = ONE_PROCESS):
+        self.batch_size = batch_size * world.world_size
+        self.first_step_s, self.began = None, None
+        self.steps, self.paused_s = 0, 0.0
+
+    def stepped(self, clock: float, loss: fl.Tensor) -> None:
+        if self.first_step_s is None:
+            loss.item()  # waits for the step
+            self.first_step_s = time.perf_counter() - clock
+            self.began = time.perf_counter()
+        else:
+            self.steps += 1
+
+    def images_per_s(self) -> float | None:
+        if not self.steps:
+            return None
+        elapsed = time.perf_counter() - self.began - self.paused_s
+        return self.steps * self.batch_size / elapsed
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -21,8 +21,8 @@ and ``loss.png``, ``samples.png`` (one row per class) and ``quality.json`` (how 
 classifier trained on the real digits recognises the class each sample was asked for) are
 written to ``--out``. Without a GPU everything runs on FLAME's reference backend.
 
-Data-parallel: ``flame run --nproc-per-node N -m examples.diffusion.train ARGS`` (or
-torchrun) runs N ranks, ``--batch-size`` images each; see parallel.py.
+Data-parallel: ``flame run --nproc-per-node N -m examples.diffusion.train``, ``--batch-size``
+images per rank (parallel.py).
 """
 
 from __future__ import annotations
@@ -378,29 +378,6 @@ def train(options, builder=None, world=parallel.ONE_PROCESS) -> dict:
     return summary
 
 
-class Throughput:
-    """The first step's time (tracing and compiling included) and the images per second of
-    the steps after it, checkpoint writing left out."""
-
-    def __init__(self, batch_size: int):
-        self.batch_size, self.first_step_s, self.began = batch_size, None, None
-        self.steps, self.paused_s = 0, 0.0
-
-    def stepped(self, clock: float, loss: fl.Tensor) -> None:
-        if self.first_step_s is None:
-            loss.item()  # waits for the step
-            self.first_step_s = time.perf_counter() - clock
-            self.began = time.perf_counter()
-        else:
-            self.steps += 1
-
-    def images_per_s(self) -> float | None:
-        if not self.steps:
-            return None
-        elapsed = time.perf_counter() - self.began - self.paused_s
-        return self.steps * self.batch_size / elapsed
-
-
 def run_steps(trainer: Trainer, loader, options) -> dict:
     """The training loop: compiled steps, the losses read back every ``LOG_EVERY`` steps
     (a read waits for the device), a checkpoint every ``--save-every`` steps."""
@@ -409,7 +386,7 @@ def run_steps(trainer: Trainer, loader, options) -> dict:
     world = trainer.world
     bar = tqdm(total=options.steps, initial=trainer.step, unit="step", dynamic_ncols=True,
                disable=options.no_progress or not world.is_main)  # fmt: skip
-    meter, pending = Throughput(options.batch_size * world.world_size), []
+    meter, pending = parallel.Throughput(options.batch_size, world), []
     for index in range(trainer.step, options.steps):
         images, labels = next(loader)
         clock = time.perf_counter()
@@ -506,10 +483,8 @@ def sample_only(options, builder=None) -> dict:
 
 def main(argv=None, builder=None):
     """Parse ``argv``, choose the backend (the GPU where there is one), join the other ranks
-    when launched, and run. ``builder`` replaces ``models.build_model`` (the tests pass a
-    small stand-in)."""
+    when launched (flame run, torchrun), and run. ``builder`` replaces ``build_model``."""
     options = parse_args(argv, gpu=None)
-    # when launched (flame run, torchrun): this rank's GPU, and the process group
     backend, world = parallel.start(options.reference)
     apply_preset(options, backend == "cuda")
     with fl.backend(backend), parallel.failing_together(world):
