@@ -140,6 +140,14 @@ def _pushed(op: str, attrs, child: Node, site, keep, memo) -> Node:
         return node
     if op == "expand" and _computes_more_than(child, RECOMPUTE_LIMIT):
         return node
+    if op == "permute" and id(child) in memo.get("shared", ()):
+        # a value other ops also read in its own order (a DiT's residual stream, read by
+        # the blocks as tokens and by the patch embedding's backward as channels): pushed
+        # down, a transposed copy of its whole computation would be made (every matmul
+        # output under it copied transposed, the stream written twice). Read it through
+        # the permuted view instead, unless recomputing it is cheap.
+        if _computes_more_than(child, RECOMPUTE_LIMIT):
+            return node
     inputs = tuple(
         grand
         if (grand.op == "const" and grand.shape == ())
@@ -190,7 +198,7 @@ def _reshape_stays_strided(attrs, child: Node, keep, seen=None) -> bool:
     return answer
 
 
-def _identity_movement(node: Node, keep, rows=frozenset()) -> Node | None:
+def _identity_movement(node: Node, keep, rows=frozenset(), shared=frozenset()) -> Node | None:
     if node.op == "permute" and node.attr("dims") == tuple(range(len(node.shape))):
         return node.inputs[0]
     if (
@@ -208,7 +216,8 @@ def _identity_movement(node: Node, keep, rows=frozenset()) -> Node | None:
         if copied is not None:
             return copied
     if node.op in MOVEMENT:
-        pushed = _movement(node.op, node.attrs, node.inputs[0], node.site, keep, {"rows": rows})
+        memo = {"rows": rows, "shared": shared}
+        pushed = _movement(node.op, node.attrs, node.inputs[0], node.site, keep, memo)
         return None if pushed is node or _same(pushed, node) else pushed
     return None
 
@@ -288,12 +297,18 @@ def simplify(graph: Graph) -> Graph:
             if kind == "elementwise":
                 replacement = _fold(node)
             elif kind == "movement":
-                replacement = _identity_movement(node, keep, rows)
+                replacement = _identity_movement(node, keep, rows, shared)
             if replacement is None:
                 replacement = _identity(node)
             if replacement is None:
                 return node
             node = replacement
+
+    readers: dict[int, int] = {}  # per value: how many ops read it
+    for node in graph.nodes:
+        for child in node.inputs:
+            readers[id(child)] = readers.get(id(child), 0) + 1
+    shared: set[int] = set()  # rewritten values that several ops read
 
     mapped: dict[int, Node] = {}  # rewrite(), remembering the values library calls read
     for node in graph.nodes:
@@ -304,4 +319,6 @@ def simplify(graph: Graph) -> Graph:
         mapped[id(node)] = result
         if id(node) in library_reads:
             keep.add(id(result))
+        if readers.get(id(node), 0) > 1:
+            shared.add(id(result))
     return Graph(tuple(mapped[id(node)] for node in graph.outputs), graph.name)
