@@ -127,12 +127,22 @@ def wrap(model, world: World):
 
 
 def mean_over_ranks(values: fl.Tensor, world: World) -> fl.Tensor:
-    """``values`` averaged over the ranks (in place, as ``dist.all_reduce``)."""
+    """``values`` averaged over the ranks (in place, as ``dist.all_reduce``), ready to read."""
     if world.distributed:
         import flame.distributed as dist
 
         dist.all_reduce(values, op=dist.ReduceOp.AVG)
+        settle(world, "the all_reduce of the losses")
     return values
+
+
+def settle(world: World, what: str) -> None:
+    """Before the host reads what collectives feed: on nccl, wait for them with the group's
+    timeout (a peer that stopped is a ``DistributedTimeout`` naming ``what``, not a hang)."""
+    if world.group_backend == "nccl":
+        from flame.distributed.nccl import wait
+
+        wait(what)
 
 
 def barrier(world: World) -> None:
@@ -148,12 +158,13 @@ class Throughput:
     batch: a rank steps at the pace of the slowest, the all-reduce waits for it)."""
 
     def __init__(self, batch_size: int, world: World = ONE_PROCESS):
-        self.batch_size = batch_size * world.world_size
+        self.batch_size, self.world = batch_size * world.world_size, world
         self.first_step_s, self.began = None, None
         self.steps, self.paused_s = 0, 0.0
 
     def stepped(self, clock: float, loss: fl.Tensor) -> None:
         if self.first_step_s is None:
+            settle(self.world, "the first step")
             loss.item()  # waits for the step
             self.first_step_s = time.perf_counter() - clock
             self.began = time.perf_counter()

@@ -18,8 +18,18 @@ kernels that compute its input (no host wait), so every rank issues its collecti
 order of its calls, as NCCL needs; the result is written into the tensor with ``copy_``. Inside
 ``flame.compile`` the collective and the write are part of the program.
 
-NCCL has no timeout of its own: a rank that stops calling collectives leaves the others
-waiting inside NCCL. ``flame run`` stops every rank when one fails.
+NCCL has no timeout of its own: a rank that stops calling collectives leaves the others'
+collectives spinning on their GPUs, and a host wait for them (``cudaStreamSynchronize``)
+never returns. The host waits this backend makes itself (``barrier``, the wait before
+``destroy_process_group``, and ``wait`` below, for a script about to read a collective's
+result) poll an event recorded on FLAME's stream instead, with the group's timeout
+(``init_process_group(timeout=...)``) as their deadline, and ask NCCL for asynchronous errors
+(a peer's connection lost) at every poll. Past the deadline, or on such an error, the
+communicator is aborted (``ncclCommAbort`` ends the collectives stuck on the GPU) and the
+wait raises ``DistributedTimeout`` (``DistributedError``) naming the wait, the rank and the
+timeout. The collectives themselves are only queued, never waited for, and a host read of a
+result (``.numpy()``) outside these waits still blocks without a bound. ``flame run`` stops
+every rank when one fails.
 """
 
 from __future__ import annotations
@@ -35,6 +45,36 @@ from flame.tensor import Tensor
 
 _ID_KEY = "nccl/id"
 _VIEW_OPS = (*MOVEMENT_OPS, "detach")
+# a bounded wait polls its event after 50 us, then twice as long each time, at most every
+# 10 ms: short collectives are seen at once, and a long wait costs the host little
+_FIRST_PAUSE_S, _LONGEST_PAUSE_S = 50e-6, 10e-3
+
+
+def wait_until(done, timeout: float, check=None, clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Poll ``done()`` until it is true (returns True) or ``timeout`` seconds have passed
+    (returns False), calling ``check()`` (which may raise) before every poll."""
+    deadline = clock() + timeout
+    pause = _FIRST_PAUSE_S
+    while True:
+        if check is not None:
+            check()
+        if done():
+            return True
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        sleep(min(pause, left))
+        pause = min(2 * pause, _LONGEST_PAUSE_S)
+
+
+def queued_work_done():
+    """A function telling whether the work queued on FLAME's stream until now is done (an
+    event recorded on the stream; its query never blocks)."""
+    import cupy
+
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(cupy.cuda.get_current_stream())
+    return lambda: event.done
 
 
 def _local_rank() -> int | None:
@@ -126,6 +166,9 @@ class NcclGroup:
             raise DistributedError(f"{name}: the process group was aborted: {self.aborted}")
 
     def close(self) -> None:
+        """Wait (bounded) for the queued collectives, then free the communicator."""
+        if self.aborted is None:
+            self.wait("destroy_process_group")
         library_nccl.destroy(self.name)
 
     def abort(self, message: str) -> None:
@@ -136,8 +179,42 @@ class NcclGroup:
             library_nccl.abort(self.name)
 
     def barrier(self) -> None:
+        """An all-reduce of one number queued on FLAME's stream, then a bounded wait for it
+        (as PyTorch's NCCL barrier: every rank's earlier work is queued, this rank's done)."""
         self.check_alive("barrier")
-        library_nccl.barrier(self.name)
+        _issue_barrier(self)
+        self.wait("barrier")
+
+    def wait(self, what: str) -> None:
+        """Block the host until the work queued on FLAME's stream so far (this group's
+        collectives included) is done, for at most the group's timeout. Past it, or when NCCL
+        reports an asynchronous error, abort the communicator and raise (naming ``what``)."""
+        self.check_alive(what)
+        communicator = library_nccl.communicator(self.name, what)
+        check_error = getattr(communicator, "check_async_error", None)  # NCCL >= 2.4
+
+        def check() -> None:
+            try:
+                check_error()
+            except Exception as error:  # noqa: BLE001  CuPy's NcclError, whatever its module
+                message = (
+                    f"{what}: rank {self.rank}: NCCL reported an error ({error}); a peer may "
+                    "have failed or left. The communicator was aborted"
+                )
+                self.abort(message)
+                raise DistributedError(message) from None
+
+        done = queued_work_done()
+        if wait_until(done, self.timeout, check if check_error is not None else None):
+            return
+        message = (
+            f"{what}: rank {self.rank} waited {self.timeout:g}s (the timeout of "
+            "init_process_group) for the collectives queued on its GPU: a peer did not reach "
+            "the same collective (it stopped, failed, or calls collectives in another order). "
+            "The NCCL communicator was aborted"
+        )
+        self.abort(message)
+        raise DistributedTimeout(message)
 
     # --- collectives on tensors (in place, as PyTorch's) --------------------------------------
     def _check(self, name: str, tensor: Tensor) -> None:
@@ -175,6 +252,29 @@ class NcclGroup:
 
         stacked = stack(list(input_list), dim=0)
         _write(output, functional.reduce_scatter(stacked, op, **self._group()))
+
+
+def _issue_barrier(group: NcclGroup) -> None:
+    """Queue the barrier's all-reduce of one int32 on FLAME's stream (no host wait)."""
+    from flame.backend import backend
+    from flame.creation import zeros
+    from flame.ir.dtypes import int32
+
+    with backend("cuda"):
+        flag = zeros(1, dtype=int32)
+    _issued(functional.all_reduce(flag, "sum", **group._group()))
+
+
+def wait(what: str = "wait") -> None:
+    """A bounded wait (``NcclGroup.wait``) for the collectives queued on the default group,
+    an nccl one; call it before reading a collective's result on the host, so that a peer
+    that never joins the collective ends in ``DistributedTimeout`` instead of a hang. Other
+    backends have nothing queued: it returns at once."""
+    from flame.distributed import _default
+
+    group = _default().group
+    if isinstance(group, NcclGroup):
+        group.wait(what)
 
 
 def _issued(result: Tensor) -> Tensor:
