@@ -40,7 +40,7 @@ from flame.ir.graph import Graph, Group, Remat
 from flame.ir.node import Node, Token, toposort
 from flame.runtime.cache import DiskCache
 
-FORMAT = 1
+FORMAT = 2
 # A plan built faster than this is not worth a file (lazy mode builds many small plans).
 MIN_PLAN_SECONDS = 0.02
 # Graphs of fewer nodes are never looked up: they plan in milliseconds, and a new process's
@@ -244,7 +244,6 @@ def _numpy_type(value) -> bool:
 
 def encode(plan, digest: str, inputs: list[Node]) -> bytes:
     """``plan`` as the bytes ``load`` reads."""
-    from flame.codegen.render import spec_key
     from flame.runtime.executor import LibraryCall
 
     graph = plan.graph
@@ -266,13 +265,14 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
     def refs(values) -> tuple:
         return tuple([index[id(node)] for node in values])
 
+    specs = _Specs()
     launches = []
     for step in plan.launches:
         if isinstance(step, LibraryCall):
             launches.append(("library", index[id(step.node)], step.inputs, step.output, step.views))
         else:
             launches.append((
-                "kernel", step.spec, spec_key(step.spec), step.grid, step.block, step.args,
+                "kernel", specs.index(step.spec), step.grid, step.block, step.args,
                 step.writes, step.shapes, step.zeroed,
             ))  # fmt: skip
     if remat is not None:
@@ -284,18 +284,58 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
         "digest": digest,
         "signature": _signature(inputs),
         "nodes": table,
+        # nodes whose attributes hold a NaN (made the one ``infer.NAN`` again on load)
+        "nans": [number for number, node in enumerate(nodes) if _has_nan(node.attrs)],
         "graph": (graph.name, refs(graph.outputs), remat),
         "groups": [
             (group.kind, refs(group.nodes), refs(group.outputs), group.reasons)
             for group in graph.groups
         ],
         "inputs": refs(plan.inputs),
+        "codes": specs.codes,
+        "specs": specs.specs,
         "launches": launches,
         "slots": (plan.slot_count, plan.output_slots, plan.releases, plan.planned_peak_bytes),
     }
     buffer = io.BytesIO()
     _PayloadPickler(buffer, protocol=5).dump(payload)
     return buffer.getvalue()
+
+
+class _Specs:
+    """A plan's kernel specs, each distinct one once (a kernel launched in many groups has
+    one spec per launch, equal but not shared; the UNet step: 1371 launches, 556 specs),
+    and the code of specs that differ only in their comment header and planned sizes once
+    per ``spec_key`` (279): ``codes`` holds (key, fields but header and params), ``specs``
+    (code, header, params)."""
+
+    def __init__(self):
+        self.codes: list[tuple] = []
+        self.specs: list[tuple] = []
+        self._codes_of: dict[str, list[int]] = {}
+        self._index: dict[tuple, int] = {}
+
+    def index(self, spec) -> int:
+        from flame.codegen.render import spec_key
+        from flame.records import fields
+
+        key = spec_key(spec)
+        code = {
+            field.name: getattr(spec, field.name) for field in fields(spec)
+            if field.name not in ("header", "params")
+        }  # fmt: skip
+        known = self._codes_of.setdefault(key, [])
+        found = next((number for number in known if self.codes[number][1] == code), None)
+        if found is None:  # a key's code differs only if its repr collides: kept apart
+            found = len(self.codes)
+            self.codes.append((key, code))
+            known.append(found)
+        identity = (found, spec.header, spec.params)
+        number = self._index.get(identity)
+        if number is None:
+            number = self._index[identity] = len(self.specs)
+            self.specs.append(identity)
+        return number
 
 
 def _valid(payload, digest: str, inputs) -> bool:
@@ -309,13 +349,18 @@ def _valid(payload, digest: str, inputs) -> bool:
 
 def _decode(payload: dict, load_functions, start: float):
     from flame.codegen.render import render
+    from flame.codegen.spec import KernelSpec
     from flame.runtime.executor import LibraryCall, Plan
     from flame.runtime.launch import Launch
 
+    table = payload["nodes"]
+    for number in payload["nans"]:
+        op, children, attrs, dtype, shape, site = table[number]
+        table[number] = (op, children, _canonical(attrs), dtype, shape, site)
     nodes: list[Node] = []
-    for op, children, attrs, dtype, shape, site in payload["nodes"]:
+    for op, children, attrs, dtype, shape, site in table:
         inputs = tuple([nodes[child] for child in children])
-        nodes.append(Node(op, inputs, _canonical_attrs(attrs), dtype, shape, site))
+        nodes.append(Node(op, inputs, attrs, dtype, shape, site))
 
     def at(refs) -> tuple:
         return tuple([nodes[ref] for ref in refs])
@@ -331,10 +376,14 @@ def _decode(payload: dict, load_functions, start: float):
         for kind, members, written, reasons in payload["groups"]
     )  # fmt: skip
     graph = Graph(at(outputs), name, groups, remat)
-    kernels = [entry for entry in payload["launches"] if entry[0] == "kernel"]
+    codes = payload["codes"]
+    specs = [KernelSpec(**codes[code][1], header=header, params=params)
+             for code, header, params in payload["specs"]]  # fmt: skip
+    kernels = [entry[1] for entry in payload["launches"] if entry[0] == "kernel"]
     sources = [
-        (functools.partial(render, spec), spec.name, key, spec)
-        for _, spec, key, *_ in kernels
+        (functools.partial(render, specs[spec]), specs[spec].name,
+         codes[payload["specs"][spec][0]][0], specs[spec])
+        for spec in kernels
     ]  # fmt: skip
     functions = iter(load_functions(sources) if sources else ())
     launches = []
@@ -343,9 +392,11 @@ def _decode(payload: dict, load_functions, start: float):
             _, node, call_inputs, output, views = entry
             launches.append(LibraryCall(nodes[node], call_inputs, output, views))
         else:
-            _, spec, _, grid, block, args, writes, shapes, zeroed = entry
+            _, spec, grid, block, args, writes, shapes, zeroed = entry
             function = next(functions)
-            launches.append(Launch(spec, function, grid, block, args, writes, shapes, zeroed))
+            launches.append(
+                Launch(specs[spec], function, grid, block, args, writes, shapes, zeroed)
+            )
     slot_count, output_slots, releases, peak = payload["slots"]
     if len(releases) != len(launches) or len(groups) != len(launches):
         raise Unstorable("launches, groups and releases disagree")
@@ -356,21 +407,16 @@ def _decode(payload: dict, load_functions, start: float):
     )  # fmt: skip
 
 
-def _canonical_attrs(attrs: tuple) -> tuple:
-    """Attributes as the graph builders make them: every NaN the one ``infer.NAN`` object
-    (attributes hash by value, and a NaN's hash is its identity)."""
-    if not attrs:
-        return attrs
-    changed = False
-    fixed = []
-    for name, value in attrs:
-        canonical = _canonical(value)
-        changed = changed or canonical is not value
-        fixed.append((name, canonical))
-    return tuple(fixed) if changed else attrs
+def _has_nan(value) -> bool:
+    kind = type(value)
+    if kind is float:
+        return math.isnan(value)
+    return kind is tuple and any(_has_nan(item) for item in value)
 
 
 def _canonical(value):
+    """``value`` as the graph builders make it: every NaN float the one ``infer.NAN`` object
+    (attributes hash by value, and a NaN's hash is its identity)."""
     kind = type(value)
     if kind is float and math.isnan(value):
         from flame.ir.infer import NAN
