@@ -342,7 +342,8 @@ def train(side, data, setup: Setup) -> dict:
 def write_weights(model, path: Path) -> Path:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path))
     return path
 
 

@@ -71,11 +71,14 @@ def plot(report: dict, path: Path) -> None:
     curves = report["curves"]
     steps = np.arange(1, len(curves["flame"]["losses"]) + 1)
     smoothed = {}
-    for key, color, name in (("flame", "C3", "FLAME"), ("torch", "C0", "PyTorch")):
+    # PyTorch dashed over FLAME: where the curves agree, both stay visible
+    styles = (("flame", "C3", "FLAME", "-", 2.2), ("torch", "C0", "PyTorch", "--", 1.2))
+    for key, color, name, line, width in styles:
         losses = curves[key]["losses"]
         smoothed[key] = smooth(losses)
-        top.plot(steps, losses, color=color, alpha=0.3, linewidth=0.7)
-        top.plot(steps, smoothed[key], color=color, label=f"{name} (EMA, span {SPAN})")
+        top.plot(steps, losses, color=color, alpha=0.35, linewidth=0.7, linestyle=line)
+        top.plot(steps, smoothed[key], color=color, linestyle=line, linewidth=width,
+                 label=f"{name} (EMA, span {SPAN}); per step, light")  # fmt: skip
     top.set(ylabel="MSE loss", yscale="log", title=f"{title(report)}: loss curves")
     top.legend()
     gap = np.abs(smoothed["flame"] - smoothed["torch"])
@@ -115,9 +118,12 @@ def markdown(report: dict) -> str:
     lines = [f"# Diffusion parity, FLAME vs PyTorch: {title(report)} ({report['device']})", "",
              "Same initial weights (safetensors), batches, timesteps, noise and label dropout "
              "(NumPy); dropout 0; AdamW, warm-up, clip 1.0, warmed-up EMA on both.", "",
-             f"Step 1 loss (compiled step / eager step): FLAME {step1['flame_step_loss']:.6g}, "
+             f"Step-1 loss of the training steps: FLAME {step1['flame_step_loss']:.6g}, "
              f"PyTorch {step1['torch_step_loss']:.6g}, |diff| {step1['abs_diff']:.2e} "
-             f"(rel {step1['step_rel_diff']:.2e}).", ""]  # fmt: skip
+             f"(rel {step1['step_rel_diff']:.2e}). Both models start with a zero output layer: "
+             "step 1's output is 0, its loss the noise's mean square, and only that layer has "
+             "a gradient; hence the second gradient table, at PyTorch's trained weights.",
+             ""]  # fmt: skip
     lines += gradient_lines(step1, "Step 1 (initial weights)")
     if "final_gradients" in report:
         lines += gradient_lines(report["final_gradients"], "PyTorch's trained weights, batch 1")
@@ -129,7 +135,8 @@ def markdown(report: dict) -> str:
               f"difference {agree['paired_mean']:.2e} +- {agree['paired_std']:.2e}; per-step "
               f"relative difference median {agree['per_step_rel_diff_median']:.2e}, max "
               f"{agree['per_step_rel_diff_max']:.2e}.", ""]  # fmt: skip
-    header = "| system | first step s | ms/step after | train s | final loss (mean of 10) |"
+    header = ("| system | first step s | wall ms/step after (draws, copies included) | train s "
+              "| final loss (mean of 10) |")  # fmt: skip
     lines += [header, "| --- | --- | --- | --- | --- |"]
     for key, name in (("flame", "FLAME"), ("torch", "PyTorch")):
         entry = curves[key]
@@ -148,7 +155,8 @@ def markdown(report: dict) -> str:
                      f"{number(quality['per_class_agreement_min'])} | "
                      f"{number(quality['classifier_heldout_accuracy'])} | "
                      f"{samples[key + '_s']:.1f} |")  # fmt: skip
-    lines += ["", f"Total {timing['total']:.1f} s."]
+    phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in timing.items())
+    lines += ["", f"Wall seconds: {phases}."]
     return "\n".join(lines) + "\n"
 
 

@@ -161,3 +161,17 @@ def test_sizes_and_defaults():
     setup.complete()
     assert (setup.size, setup.case, setup.bf16, setup.warmup) == (
         "full", ("unet", "full", 32, 64), True, 5)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["unet", "dit"])
+def test_demo_size_is_the_examples_small_model_in_both(torch, reference_backend, model):
+    """The PyTorch twin has no "small" size: --size demo builds it from FLAME's table."""
+    from examples.diffusion.models import build_model
+
+    setup = parity.Setup(model=model, size="demo", image=8).complete()
+    twin = parity.torch_twin(setup)
+    flame = build_model(model, 8, 3, 10, "small")
+    shapes = {name: tuple(value.shape) for name, value in flame.state_dict().items()}
+    assert shapes == {name: tuple(value.shape) for name, value in twin.state_dict().items()}
+    assert setup.case == (model, "small", 8, 128)
