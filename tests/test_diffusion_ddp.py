@@ -281,3 +281,60 @@ def test_launched_and_the_streams_of_the_ranks(reference_backend):
         0, 1, False, True, True,
     )  # fmt: skip
     assert not parallel.World(1, 2, "gloo").compiles and parallel.World(1, 2, "nccl").compiles
+
+
+@pytest.fixture
+def nccl_world_of_one(monkeypatch):
+    """The default group is an nccl group of one that lets reference tensors through (as in
+    tests/test_ddp_cpu.py): the example's DistributedDataParallel step compiles and runs on
+    the CPU with its collectives as IR nodes; counts the all-reduces the reference runs."""
+    import flame.distributed as dist
+    from flame.distributed.nccl import NcclGroup
+    from flame.runtime import reference
+
+    group = NcclGroup.__new__(NcclGroup)
+    group.rank, group.world_size, group.timeout, group.aborted = 0, 1, 5.0, None
+    group.name = "nccl-stand-in"
+    monkeypatch.setattr(group, "_check", lambda name, tensor: group.check_alive(name))
+    monkeypatch.setattr(dist, "_default_group", dist._ProcessGroup("nccl", None, group))
+    calls = []
+    original = reference._evaluate_node
+
+    def counted(node, *args):
+        if node.op == "all_reduce":
+            calls.append(node.shape)
+        return original(node, *args)
+
+    monkeypatch.setattr(reference, "_evaluate_node", counted)
+    with fl.backend("reference"):
+        yield calls
+
+
+@needs_example_packages
+def test_the_compiled_ddp_step_is_the_plain_one_in_a_world_of_one(nccl_world_of_one, rng):
+    from examples.diffusion import parallel, train
+    from flame.nn.parallel import DistributedDataParallel
+
+    options = train.parse_args([*TINY, "--out", "unused"], gpu=False)
+    config = {"model": "unet", "size": "tiny", "image_size": 8, "channels": 1,
+              "num_classes": 10, "schedule": "linear", "prediction": "eps"}  # fmt: skip
+    ddp = train.Trainer(options, config, world=parallel.World(0, 1, "nccl"))
+    plain = train.Trainer(options, config)
+    for trainer in (ddp, plain):
+        trainer.prepare()
+    assert isinstance(ddp.forward_model, DistributedDataParallel)
+    assert plain.forward_model is plain.model
+    images = fl.tensor(rng.uniform(-1, 1, (4, 1, 8, 8)).astype(np.float32)).realize()
+    labels = fl.tensor(np.array([0, 3, 7, 9], dtype=np.int64)).realize()
+    dropout = fl.get_rng_state()  # the models' dropout draws from the default generator
+    losses = []
+    for _ in range(3):
+        nccl_world_of_one.clear()
+        losses.append(ddp.run_step(images, labels)[0].item())
+        assert nccl_world_of_one, "the compiled step ran no all-reduce"
+    fl.set_rng_state(dropout)
+    expected = [plain.run_step(images, labels)[0].item() for _ in range(3)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    assert ddp.compiled.cache_info().traces == 1
+    for (name, mine), theirs in zip(ddp.model.named_parameters(), plain.model.parameters()):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

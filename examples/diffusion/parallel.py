@@ -95,7 +95,8 @@ def start(reference: bool, timeout_s: float = 1800.0) -> tuple[str, World]:
     world = World(dist.get_rank(), dist.get_world_size(), group_backend)
     if world.is_main:
         lazily = "" if world.compiles else " (the step runs lazily: gloo cannot be traced)"
-        print(f"data-parallel: {world.world_size} ranks on {group_backend}{lazily}")
+        ranks = f"{world.world_size} rank" + ("s" if world.world_size > 1 else "")
+        print(f"data-parallel: {ranks} on {group_backend}{lazily}")
     return backend, world
 
 
