@@ -496,3 +496,14 @@ def test_a_new_process_trains_from_the_stored_plan_on_the_gpu(tmp_path):
     assert first["disk_hits"] == 0 and second["disk_hits"] >= 1
     np.testing.assert_allclose(second["losses"], first["losses"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(second["weight"], first["weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_flame_cache_lists_and_clears_plans_with_the_kernels(cpu_planning, tmp_path, rng):
+    """Plans are entries of the kernel cache's directory: ``flame cache list|clear`` (which
+    read ``DiskCache``) see and remove them."""
+    _, digest, again = _stored(tmp_path, rng)
+    assert digest in [key for key, _, _ in DiskCache(tmp_path).entries()]
+    assert DiskCache(tmp_path).clear() >= 1
+    executor = new_executor(tmp_path)
+    plan_of(executor, again())
+    assert executor.plan_disk_hits == 0 and executor.plan_store.writes == 1
