@@ -13,7 +13,9 @@ the default process group: ``nccl`` on the GPU, ``gloo`` on the reference backen
   is per rank, as in PyTorch scripts, so the global batch is ``batch_size * world_size``;
 * draws timesteps, noise, label dropout and the model's dropout from its own streams (the
   seeds of one process + rank);
-* logs the loss averaged over the ranks (one all-reduce every ``LOG_EVERY`` steps).
+* logs the loss averaged over the ranks (one all-reduce every ``LOG_EVERY`` steps and at
+  each checkpoint; on nccl the host waits for it with the group's timeout, so a rank that
+  stopped is a ``DistributedTimeout``, not a hang).
 
 Rank 0 alone writes checkpoints (of the unwrapped model: no ``module.`` prefix, so they load
 in any number of processes), ``loss.png``, the samples and ``quality.json``; the others wait
