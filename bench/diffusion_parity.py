@@ -391,6 +391,9 @@ def run(setup: Setup, out: Path) -> dict:
     report = {**ca.environment_info(setup.backend), "setup": asdict(setup), "timing_s": {}}
     clock = report["_lap"] = time.perf_counter()
     data = digits(setup.image)
+    if setup.batch > len(data[0].labels):
+        raise ValueError(f"--batch {setup.batch}: larger than the {len(data[0].labels)} "
+                         "training digits (a batch has no repeats)")  # fmt: skip
     with ca.flame_scope(setup.backend)():
         reference = torch_twin(setup)
         no_dropout(reference)

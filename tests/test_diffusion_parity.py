@@ -151,6 +151,12 @@ def test_bad_command_lines_are_refused(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@needs_example_packages
+def test_a_batch_larger_than_the_digits_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--batch 5000: larger than the 16\d\d training digits"):
+        parity.run(parity.Setup(batch=5000), tmp_path)
+
+
 def test_sizes_and_defaults():
     setup, _ = parity.parse(["--backend", "reference", "--model", "dit"])
     setup.complete()
