@@ -80,12 +80,19 @@ def facts(plan) -> dict:
     nodes = toposort(roots)
     index = {id(node): position for position, node in enumerate(nodes)}
 
+    tokens: dict[int, int] = {}
+
+    def value_of(value):
+        if isinstance(value, PlannedInput):
+            return ("stand-in", value.backend, value.dtype, value.layout())
+        if isinstance(value, Token):  # by first appearance: which nodes share one
+            return ("token", tokens.setdefault(id(value), len(tokens)))
+        if type(value).__name__ in ("Recompute", "StoredRecompute"):
+            return ("recompute", repr(value))
+        return value
+
     def attrs(node):
-        return tuple(
-            (name, ("stand-in", value.backend, value.dtype, value.layout()))
-            if isinstance(value, PlannedInput) else (name, value)
-            for name, value in node.attrs
-        )  # fmt: skip
+        return tuple((name, value_of(value)) for name, value in node.attrs)
 
     def refs(values):
         return tuple(index[id(node)] for node in values)
@@ -202,10 +209,14 @@ def test_a_graph_deeper_than_the_recursion_limit_round_trips(cpu_planning, tmp_p
     assert facts(loaded) == facts(fresh)
 
 
-def test_compiled_optimizer_step_with_in_place_writes(cpu_planning, tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint"])
+def test_compiled_optimizer_step_with_in_place_writes(
+    cpu_planning, tmp_path, monkeypatch, checkpointed
+):
     """``fl.compile`` of a training step (AdamW writes the weights and its state in place):
     a new executor loads the step's plan, equal to the one built, with the same answers to
-    the in-place write checks."""
+    the in-place write checks. Checkpointed: the region's recomputation (barriers with
+    tokens, a checkpoint node holding the region's function) is stored too."""
     from flame.runtime import executor as executor_module
 
     def step_plan(executor):
@@ -215,9 +226,13 @@ def test_compiled_optimizer_step_with_in_place_writes(cpu_planning, tmp_path, mo
         b = fl.tensor(np.zeros(4, np.float32), requires_grad=True)
         opt = fl.optim.AdamW([w, b], lr=1e-2)
 
+        def block(h):
+            return F.gelu(h @ w + b)
+
         @fl.compile
         def step(x):
-            loss = ((x @ w + b) ** 2).mean()
+            hidden = fl.checkpoint(block, x) if checkpointed else block(x)
+            loss = (hidden**2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -237,6 +252,7 @@ def test_compiled_optimizer_step_with_in_place_writes(cpu_planning, tmp_path, mo
     loaded = step_plan(second)
     assert second.plan_disk_hits == 1
     assert facts(loaded) == facts(fresh)
+    assert checkpointed == any(n.op == "barrier" for g in loaded.graph.groups for n in g.nodes)
     inputs = range(len(fresh.inputs))
     for slot in fresh.output_slots:
         for aliased in inputs:

@@ -169,8 +169,29 @@ def _numpy_version() -> str:
     return numpy.__version__
 
 
-def _key_token(number: int):  # never called: the key's pickle is hashed, not loaded
+def _key_token(number):  # never called: the key's pickle is hashed, not loaded
     raise AssertionError("a plan key is never unpickled")
+
+
+def _is_recompute(value) -> bool:
+    """A checkpoint node's ``recompute`` attribute (flame/recompute.py: the region's
+    function, arguments and nodes, for autograd)."""
+    kind = type(value)
+    return kind.__name__ == "Recompute" and kind.__module__ == "flame.recompute"
+
+
+class StoredRecompute:
+    """A checkpoint's ``recompute`` attribute in a plan loaded from disk: its printed form.
+    The plan does not depend on it (the recomputed region is already explicit in the graph,
+    behind barriers), and a plan's graph is never differentiated again."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 class _KeyPickler(pickle.Pickler):
@@ -189,6 +210,8 @@ class _KeyPickler(pickle.Pickler):
             return _key_token, (number,)
         if kind is Node:
             raise Unstorable("a node inside a plan key's attributes")
+        if _is_recompute(value):  # the same for every checkpoint: the plan ignores it
+            return _key_token, ("recompute",)
         return NotImplemented
 
 
@@ -233,7 +256,9 @@ def _stored_classes() -> frozenset:
     from flame.ir.views import View
     from flame.runtime.storage import PlannedInput
 
-    return frozenset({DType, PlannedInput, KernelSpec, Arg, View, SizeValue, Token})
+    return frozenset(
+        {DType, PlannedInput, KernelSpec, Arg, View, SizeValue, Token, StoredRecompute}
+    )
 
 
 def _numpy_type(value) -> bool:
@@ -257,7 +282,8 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
     nodes = toposort(roots)
     index = {id(node): position for position, node in enumerate(nodes)}
     table = [
-        (node.op, tuple([index[id(child)] for child in node.inputs]), node.attrs,
+        (node.op, tuple([index[id(child)] for child in node.inputs]),
+         _stored_attrs(node.attrs) if node.op == "checkpoint" else node.attrs,
          node.dtype, node.shape, node.site)
         for node in nodes
     ]  # fmt: skip
@@ -407,6 +433,13 @@ def _decode(payload: dict, load_functions, start: float):
     )  # fmt: skip
 
 
+def _stored_attrs(attrs: tuple) -> tuple:
+    return tuple(
+        (name, StoredRecompute(repr(value)) if _is_recompute(value) else value)
+        for name, value in attrs
+    )  # fmt: skip
+
+
 def _has_nan(value) -> bool:
     kind = type(value)
     if kind is float:
@@ -437,7 +470,8 @@ _BUILTINS = frozenset(
 _FLAME_GLOBALS = frozenset(
     {("flame.ir.dtypes", "dtype"), ("flame.runtime.storage", "PlannedInput"),
      ("flame.codegen.spec", "KernelSpec"), ("flame.codegen.spec", "Arg"),
-     ("flame.ir.views", "View"), ("flame.ir.infer", "SizeValue"), ("flame.ir.node", "Token")}
+     ("flame.ir.views", "View"), ("flame.ir.infer", "SizeValue"), ("flame.ir.node", "Token"),
+     ("flame.runtime.plan_store", "StoredRecompute")}
 )  # fmt: skip
 _NUMPY_GLOBALS = frozenset({"scalar", "dtype", "ndarray", "_reconstruct"})
 
