@@ -26,7 +26,6 @@ from flame.runtime import events, plan_store, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import target_arch
 from flame.runtime.launch import Launch
-from flame.runtime.plan_store import PlanStore
 from flame.runtime.siblings import SiblingCompiler
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import RecordedWalk, linearize, record_walk
@@ -117,7 +116,7 @@ class Executor:
         self.plan_hits = 0
         self.plan_misses = 0
         self.plan_disk_hits = 0  # plans loaded from the disk's plan store (plan_store.py)
-        self.plan_store = PlanStore(self.kernels.disk)
+        self.plan_store = plan_store.PlanStore(self.kernels.disk)
         self._warm_up_pending = True
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
         # -> up to WALKS_PER_SITE RecordedWalks, newest first
@@ -282,25 +281,20 @@ class Executor:
         return plan
 
     def _stored_plan(self, pending: list[Node], inputs: list[Node], key: tuple) -> Plan:
-        """The plan from the disk's plan store (a new process planning a graph an earlier
-        one planned), else built now and stored. ``FLAME_PLAN_CACHE=0``: built only."""
-        if not plan_store.enabled():
-            return self._plan(pending, inputs)
-        store = self.plan_store
-        digest = store.digest(key, self.kernels.arch or target_arch())
-        if digest is not None:
-            self.siblings.busy()
-            plan = store.load(digest, inputs, self._load)
-            if plan is not None:
-                with self._lock:
-                    self.plan_disk_hits += 1
-                if events.active():
-                    events.emit("plan", plan=plan, passes=[], seconds=plan.plan_seconds,
-                                cached=True)  # fmt: skip
-                return plan
-        plan = self._plan(pending, inputs)
-        if digest is not None:
-            store.save(digest, plan, inputs)
+        """The plan an earlier process stored on disk (flame/runtime/plan_store.py; off with
+        ``FLAME_PLAN_CACHE=0``), else built now and stored."""
+        store, arch = self.plan_store, self.kernels.arch or target_arch()
+        digest = store.digest(key, arch) if plan_store.enabled() else None
+        plan = store.load(digest, inputs, self._load) if digest is not None else None
+        if plan is None:
+            plan = self._plan(pending, inputs)
+            if digest is not None:
+                store.save(digest, plan, inputs)
+            return plan
+        with self._lock:
+            self.plan_disk_hits += 1
+        if events.active():
+            events.emit("plan", plan=plan, passes=[], seconds=plan.plan_seconds, cached=True)
         return plan
 
     def run(self, plan: Plan, input_arrays: list) -> list:
