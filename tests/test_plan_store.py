@@ -523,3 +523,34 @@ def test_flame_cache_lists_and_clears_plans_with_the_kernels(cpu_planning, tmp_p
     executor = new_executor(tmp_path)
     plan_of(executor, again())
     assert executor.plan_disk_hits == 0 and executor.plan_store.writes == 1
+
+
+def test_kernels_missing_from_disk_compile_from_the_stored_specs(
+    cpu_planning, tmp_path, rng, nvrtc
+):
+    """Only the plan survives (its kernels were removed): the loaded specs render and
+    compile with NVRTC into the kernels the first plan was compiled to."""
+    import shutil
+
+    class NvrtcExecutor(CpuExecutor):
+        def _load(self, sources):
+            self.cubins = self.kernels.cubins(sources)
+            return [None] * len(sources)
+
+    def build(directory):
+        executor = NvrtcExecutor(KernelCache(DiskCache(directory), arch="sm_90"))
+        executor.plan_store.min_seconds, executor.plan_store.min_nodes = 0.0, 0
+        rng.bit_generator.state = state
+        plan_of(executor, elementwise(rng))
+        return executor
+
+    state = rng.bit_generator.state
+    first = build(tmp_path / "first")
+    stored = {key for key, _, _ in DiskCache(tmp_path / "first").entries()}
+    (entry,) = stored - {key for key, _ in first.cubins}  # the plan: all but the kernels
+    only_plan = DiskCache(tmp_path / "second").path(entry)
+    only_plan.parent.mkdir(parents=True)
+    shutil.copy(first.plan_store.disk.path(entry), only_plan)
+    second = build(tmp_path / "second")
+    assert second.plan_disk_hits == 1 and second.kernels.stats.compiles >= 1
+    assert second.cubins == first.cubins  # the same keys and the same cubins
