@@ -369,6 +369,23 @@ def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = Fals
         for hook in list(node.grad_info.post_accumulate_hooks):
             if hook(owner) is not None:
                 raise GradError("Tensor post accumulate grad hooks should return None.")
+    if not create_graph:
+        _compute_now(self, [owner for _, owner in leaves])
+
+
+def _compute_now(loss: Tensor, owners) -> None:
+    """Lazy mode computes the output and the gradients here, in one plan, as PyTorch has by
+    the time ``backward()`` returns: a loss read after ``opt.step()`` wrote the weights in
+    place (``loss.backward(); opt.step(); loss.item()``) is the loss of the step, not one
+    recomputed from the new weights. Inside ``flame.compile`` the program orders the work."""
+    from flame.compile import current_trace
+
+    if current_trace() is not None:
+        return
+    from flame.tensor import realize
+
+    grads = [owner.grad for owner in owners if isinstance(owner.grad, Tensor)]
+    realize(loss, *grads)
 
 
 def register_hook(self: Tensor, hook):

@@ -28,7 +28,7 @@ def _dit_step_graph(depth: int) -> Graph:
     t, y = fl.randint(0, 1000, (2,)), fl.randint(0, 10, (2,))
     with fl.autocast("cuda", dtype=fl.bfloat16):
         loss = F.mse_loss(model(x, t, y).float(), x)
-    loss.backward()
+    loss.backward(create_graph=True)  # the gradients stay lazy values, to be planned here
     grads = [p.grad.node for p in model.parameters() if p.grad is not None]
     return Graph((loss.node, *grads))
 
