@@ -23,6 +23,7 @@ IMPLEMENTATION_MODULES = (
     "flame.runtime.library_scan",
     "flame.runtime.library_conv",
     "flame.runtime.library_attention",
+    "flame.runtime.library_norm",
 )
 
 
