@@ -405,3 +405,24 @@ def test_gpu_bias_gelu_is_one_library_call_and_one_kernel(cuda_backend, rng):
     launches = default_executor()._plans[key].launches
     assert [type(step) for step in launches] == [LibraryCall, Launch]
     assert_matmul_close(result.numpy(), expected, fl.float32, 80)
+
+
+@pytest.mark.parametrize("batch", [(5,), (2, 3)])
+def test_a_shared_weights_gradient_is_one_matmul_over_the_folded_batch(batch, rng):
+    """``x @ w`` with x [*batch, T, K] and w [K, N] (F.linear over tokens): the gradient of w
+    is one [K, N] product over the batch folded into the rows, not a product per batch item
+    ([*batch, K, N] written) summed afterwards; values as NumPy's."""
+    x_host = rng.standard_normal((*batch, 4, 6))
+    w_host = rng.standard_normal((6, 3))
+    g_host = rng.standard_normal((*batch, 4, 3))
+    with fl.backend("cuda"):  # graphs are built and planned; nothing runs
+        x = fl.tensor(x_host.astype(np.float32))
+        w = fl.tensor(w_host.astype(np.float32))
+        g = fl.tensor(g_host.astype(np.float32))
+        _, vjp = fl.vjp(lambda w: x @ w, w)
+        (w_grad,) = vjp(g)
+        products = [n for n in Graph((w_grad.node,)).nodes if n.op == "matmul"]
+    assert [n.shape for n in products] == [(6, 3)]
+    expected = x_host.reshape(-1, 6).T @ g_host.reshape(-1, 3)
+    (found,) = reference.evaluate([w_grad.node], precision=np.float64, realized=False)
+    np.testing.assert_allclose(found, expected, rtol=1e-5, atol=1e-5)

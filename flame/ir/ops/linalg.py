@@ -11,6 +11,8 @@ whenever it runs. float16 and bfloat16 always accumulate in float32.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from flame.ir.ops.registry import def_op, def_vjp
@@ -87,7 +89,16 @@ def _matmul_vjp(F, g, out, left, right, precision="highest"):
     # dot product becomes [1, 1])
     g_matrix = F.reshape(g, matmul_shape(left_matrix.shape, right_matrix.shape))
     left_grad = F.matmul(g_matrix, F.transpose(right_matrix, -1, -2))
-    right_grad = F.matmul(F.transpose(left_matrix, -1, -2), g_matrix)
+    if right_matrix.ndim == 2 and left_matrix.ndim > 2:
+        # a weight shared by every batch item (``x @ w`` over [N, T, K] tokens, F.linear):
+        # one matmul over the batch folded into its rows, not a product per item summed
+        # afterwards ([N, K, N_out] written, then reduced)
+        rows = math.prod(left_matrix.shape[:-1])
+        folded_left = F.reshape(left_matrix, (rows, left_matrix.shape[-1]))
+        folded_g = F.reshape(g_matrix, (rows, g_matrix.shape[-1]))
+        right_grad = F.matmul(F.transpose(folded_left, -1, -2), folded_g)
+    else:
+        right_grad = F.matmul(F.transpose(left_matrix, -1, -2), g_matrix)
     return (
         F.reshape(F.sum_to(left_grad, left_matrix.shape), left.shape),
         F.reshape(F.sum_to(right_grad, right_matrix.shape), right.shape),
