@@ -50,6 +50,7 @@ from flame.replay import (
 )
 from flame.runtime import events, step_graphs
 from flame.runtime.compiler import kernel_loads
+from flame.runtime.plan_store import paused_collector
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry, generic_entry, miss_reason, shown
 from flame.tensor import Tensor, realize
@@ -231,7 +232,9 @@ class CompiledFunction:
             reason, kind = "a .grad the trace read or wrote changed (None vs set)", "miss"
         start = time.perf_counter()
         _give_memory_to_closed_over(self.fn)
-        with kernel_loads() as loads:
+        # the trace builds tens of thousands of nodes that all stay alive: collections
+        # during it find nothing (plan_store.paused_collector says what they cost)
+        with kernel_loads() as loads, paused_collector():
             program = self._build(args, names)
         with self._lock:
             self._programs[exact] = program

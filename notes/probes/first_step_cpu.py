@@ -16,11 +16,19 @@ the seconds of each phase:
 - ``render``: rendering every kernel again, apart;
 - ``nvrtc_threads`` / ``nvrtc_processes``: the plan's kernels compiled again with no cache
   (``--compile``), in N threads or N processes, to see whether NVRTC scales;
+- ``trace_without_plan_for``: the trace less ``plan_for`` (with a plan loaded from disk,
+  ``trace`` still holds the load);
+- ``realizes``, ``realize_plans``: the step's own realizes (an optimizer's first step
+  realizes its zeroed state, one tensor a parameter) and the executor's plans for them (the
+  host's part of a realize on the GPU); ``stand_in_values``: NumPy computing their values
+  (the GPU's kernels do this), and ``first_step_host``: ``first_step`` without it;
 - ``plan_for``: the executor's plan lookups (memory, the disk's plan store, or ``plan``);
   ``plan_disk_hits``: plans loaded from the plan store (set ``FLAME_PLAN_CACHE=0`` to plan
   every time);
 - ``siblings``: the background size-class work for the plan's row kernels (lowered and
   rendered, not compiled);
+- ``gc_seconds``, ``gc_collections``: the garbage collector's time and passes (per
+  generation) during the first step;
 - ``imports``: modules imported during the step (PyTorch must not be one).
 
 Kernels are compiled into an empty cache directory (FLAME_CACHE_DIR is set to a new temporary
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import json
 import os
 import sys
@@ -61,7 +70,23 @@ def patch_gpu_away(timings: dict) -> None:
     from flame.runtime.storage import Storage
 
     def realize(nodes):
+        # what the GPU's realize does on the host: plan the graph (cached by its key), ...
+        from flame.runtime.executor import default_executor
+        from flame.runtime.walks import linearize
+
+        start = time.perf_counter()
+        pending = [node for node in nodes if node.buffer is None and node.op != "buffer"]
+        if pending:
+            timings["realizes"] = timings.get("realizes", 0) + 1
+            _, inputs, key = linearize(pending)
+            default_executor().plan_for(pending, inputs, key)
+        middle = time.perf_counter()
+        timings["realize_plans"] = timings.get("realize_plans", 0.0) + middle - start
+        # ... while its kernels compute the values: here NumPy does, apart (an optimizer's
+        # zeroed state, ~290 MB for the full UNet, is copied on the host)
         reference.realize(nodes, lambda dtype, array: Storage("cuda", dtype, host=array))
+        seconds = time.perf_counter() - middle
+        timings["stand_in_values"] = timings.get("stand_in_values", 0.0) + seconds
 
     sys.modules["flame.backend"]._realize_on_gpu = realize  # flame.backend is also a function
     fake = DeviceInfo("CPU stand-in for an H100", "sm_90", 132, 50 * 2**20)
@@ -158,10 +183,26 @@ def record_passes(timings: dict) -> None:
     executor.Executor.plan_for = plan_for_timed
 
 
+def watch_collections(timings: dict):
+    """Count the garbage collector's passes and their seconds (``gc_seconds``,
+    ``gc_collections`` per generation) until the returned callback is removed."""
+    started = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+            return
+        seconds = time.perf_counter() - started.pop()
+        timings["gc_seconds"] = timings.get("gc_seconds", 0.0) + seconds
+        counts = timings.setdefault("gc_collections", [0, 0, 0])
+        counts[info["generation"]] += 1
+
+    gc.callbacks.append(callback)
+    return callback
+
+
 def move_to_cuda() -> None:
     """Every live tensor moved to the CUDA backend, its data as host data not yet uploaded."""
-    import gc
-
     import numpy as np
 
     from flame.ir import dtypes
@@ -223,6 +264,11 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--dump", default=None, help="write every kernel's source here")
+    parser.add_argument(
+        "--pin-sources", default=None, metavar="TEXT",
+        help="use TEXT as the plan store's source digest (compare runs while others edit"
+        " flame/; only sound while the plans the edits build stay the same)",
+    )  # fmt: skip
     options = parser.parse_args()
     os.environ.setdefault("FLAME_CACHE_DIR", tempfile.mkdtemp(prefix="flame-first-step-"))
     os.environ["FLAME_SIBLING_CLASSES"] = "0"  # timed apart below
@@ -234,6 +280,10 @@ def main() -> None:
 
     timings["import"] = time.perf_counter() - start
     patch_gpu_away(timings)
+    if options.pin_sources:
+        from flame.runtime import plan_store
+
+        plan_store.source_digest = lambda: options.pin_sources
     record_passes(timings)
     direct_writes_as_on_gpu(timings)
     from flame.runtime import events
@@ -249,6 +299,7 @@ def main() -> None:
         traces = []
         profile = cProfile.Profile() if options.profile else None
         start = time.perf_counter()
+        collections = watch_collections(timings)
         with events.recording(lambda kind, data: traces.append((kind, data))):
             if profile is not None:
                 profile.enable()
@@ -259,9 +310,13 @@ def main() -> None:
             if profile is not None:
                 profile.disable()
         timings["first_step"] = time.perf_counter() - start
+        gc.callbacks.remove(collections)
     trace_seconds = sum(data["seconds"] for kind, data in traces if kind == "trace")
     timings["trace_total"] = trace_seconds
     timings["trace"] = trace_seconds - timings.get("plan", 0.0)
+    timings["trace_without_plan_for"] = trace_seconds - timings.get("plan_for", 0.0)
+    # the first step less what NumPy computed in place of the GPU's kernels
+    timings["first_step_host"] = timings["first_step"] - timings.get("stand_in_values", 0.0)
     timings["imports"] = sorted(
         name for name in set(sys.modules) - before if "." not in name and name != "__mp_main__"
     )
