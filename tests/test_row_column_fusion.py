@@ -182,11 +182,16 @@ def test_three_d_layer_norm_joins_too(cuda_backend, rng):
     assert _kinds(graph.groups[0]) == 3
 
 
-def test_half_precision_sums_keep_their_partial_rows(cuda_backend, rng):
-    """A bfloat16 dw has no float32 result to add into: the strips write partial rows."""
+def test_half_precision_sums_add_into_a_float32_total(cuda_backend, rng):
+    """A bfloat16 dw is summed in float32 (split.py keeps 16-bit partial sums in float32):
+    the strips add atomically into a float32 total, and a small kernel rounds it to
+    bfloat16 once; no partial rows are written."""
     graph = _plan(_layer_norm_fwd_bwd(rng, (4096, 768), "bfloat16"))
     assert len(graph.groups) == 2
-    assert [o.shape for o in graph.groups[0].outputs][2:] == [(256, 1, 768)] * 2
+    rows, rounding = graph.groups
+    totals = [(o.shape, o.dtype) for o in rows.outputs][2:]
+    assert totals == [((1, 1, 768), fl.float32)] * 2
+    assert [(o.op, o.dtype) for o in rounding.outputs] == [("cast", fl.bfloat16)] * 2
 
 
 def test_softmax_and_a_column_sum_of_its_rows_share_a_kernel(cuda_backend, rng):

@@ -148,9 +148,22 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     if parts == 1:
         return None
     pieces = make_node("reshape", (source,), {"shape": (parts, lead // parts) + rest}, node.site)
+    wide = _widened(node)
+    if wide:
+        pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
     partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
     total = make_node(node.op, (partial,), {"axes": (0,)}, node.site)
+    if wide:
+        total = make_node("cast", (total,), {"dtype": node.dtype}, node.site)
     return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+
+
+def _widened(node: Node) -> bool:
+    """Whether the partial sums of a split reduction are kept in float32: sums of 16-bit
+    floats, so the result is rounded once (as one reduction would round it), and a row
+    kernel can add its strips' partial sums atomically into a float32 total
+    (row_columns.py) instead of writing partial rows for a kernel of their own."""
+    return node.op == "reduce_sum" and node.dtype in (dtypes.float16, dtypes.bfloat16)
 
 
 def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | None:
@@ -174,7 +187,7 @@ def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | No
     pieces = make_node(
         "reshape", (source,), {"shape": (kept * cuts, reduced // cuts) + rest}, node.site
     )
-    wide = node.op == "reduce_sum" and node.dtype in (dtypes.float16, dtypes.bfloat16)
+    wide = _widened(node)
     if wide:
         pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
     partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
