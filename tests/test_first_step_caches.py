@@ -18,7 +18,7 @@ import pytest
 from flame.effects import direct_writes
 from flame.ir import dtypes
 from flame.ir.node import Node
-from flame.runtime.launch import Launch, param_codes, param_format
+from flame.runtime.launch import GENERATED_LIMIT, Launch, param_codes, param_format
 from flame.runtime.plan_store import paused_collector
 
 
@@ -65,6 +65,23 @@ def test_scalars_pack_exactly_as_struct_packs_them():
         math.inf, math.nan, float(value), float(np.float32(1 / 3)), -(2**40), 0x1000,
     )  # fmt: skip
     assert bytes(buffer) == expected
+
+
+@pytest.mark.parametrize("count", [GENERATED_LIMIT - 3, GENERATED_LIMIT, 3 * GENERATED_LIMIT])
+def test_long_parameter_lists_pack_their_own_values(count):
+    # long lists of buffers (multi-output optimizer kernels) take the generic filler
+    args = [("out" if i % 3 else "in", (7 * i) % count) for i in range(count)]
+    first = _launch([*args, ("scalar", np.int32(count)), ("scalar", np.float32(0.25))])
+    generic = count + 2 >= GENERATED_LIMIT
+    assert ("_pointers_first" in first._fill.__qualname__) == generic
+    shifted = [(kind, (slot + 1) % count) for kind, slot in args]
+    second = _launch([*shifted, ("scalar", np.int32(-1)), ("scalar", np.float32(2))])
+    slots = _slots(count)
+    assert _packed(first, slots) == (*[0x1000 * (slot + 1) for _, slot in args], count, 0.25)
+    assert _packed(second, slots) == (*[0x1000 * (s + 1) for _, s in shifted], -1, 2.0)
+    mixed = _launch([("scalar", np.int64(5)), *args])  # a scalar first: generated code
+    assert "_pointers_first" not in mixed._fill.__qualname__
+    assert _packed(mixed, slots) == (5, *[0x1000 * (slot + 1) for _, slot in args])
 
 
 def test_a_launch_without_parameters_packs_nothing():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 import struct
 
 import numpy as np
@@ -235,13 +236,24 @@ def _filler(codes: str, values: tuple):
     return _packing(codes)[1](*values)
 
 
+# Parameter lists at least this long whose buffers come first (the multi-output optimizer
+# kernels: up to ~200) are packed by one generic filler: as fast per launch as generated
+# code there, and compiling their generated code took ~2-6 ms each.
+GENERATED_LIMIT = 48
+
+
 @functools.lru_cache(maxsize=4096)
 def _packing(codes: str) -> tuple:
     """(the ``struct.Struct`` of parameters of the kinds ``codes`` lists, ``make(*values)``
     giving a launch's ``fill(buffer, slots)``). The filler's code is generated and compiled
     once per ``codes`` (a plan of 1,371 launches has a few hundred distinct ones; compiling
     one per launch took ~180 ms of loading the UNet step's plan); each launch's slots and
-    scalars are the closure's cells, which the filler reads as fast as constants."""
+    scalars are the closure's cells, which the filler reads as fast as constants. Long
+    lists of buffers then scalars: ``_pointers_first`` (``GENERATED_LIMIT``)."""
+    packer = struct.Struct(param_format(codes))
+    pointers = len(codes) - len(codes.lstrip("Q"))
+    if len(codes) >= GENERATED_LIMIT and pointers >= 2 and "Q" not in codes[pointers:]:
+        return packer, functools.partial(_pointers_first, packer.pack_into, pointers)
     names = [f"v{position}" for position in range(len(codes))]
     listed = ", ".join(
         f"slots[{name}].data.ptr" if code == "Q" else name for code, name in zip(codes, names)
@@ -252,10 +264,21 @@ def _packing(codes: str) -> tuple:
         f"        pack_into(buffer, 0, {listed})\n"
         f"    return fill\n"
     )
-    packer = struct.Struct(param_format(codes))
     namespace = {"pack_into": packer.pack_into}
     exec(compile(source, "<flame launch parameters>", "exec"), namespace)  # noqa: S102
     return packer, namespace["make"]
+
+
+def _pointers_first(pack_into, count: int, *values):
+    """The filler of a long parameter list: ``count`` buffers (``values[:count]`` their
+    slots), then the scalars."""
+    arrays = operator.itemgetter(*values[:count])  # count >= 2: gives a tuple
+    scalars = values[count:]
+
+    def fill(buffer, slots):
+        pack_into(buffer, 0, *[array.data.ptr for array in arrays(slots)], *scalars)
+
+    return fill
 
 
 @functools.lru_cache(maxsize=1)
