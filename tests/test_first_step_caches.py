@@ -112,6 +112,32 @@ def test_paused_collector_turns_the_collector_off_inside_and_back_on_after():
         (gc.enable if was else gc.disable)()
 
 
+def _generation_of(value) -> int | None:
+    for generation in range(3):
+        if any(item is value for item in gc.get_objects(generation)):
+            return generation
+    return None
+
+
+def test_what_a_paused_block_built_goes_to_the_oldest_generation_unscanned():
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with paused_collector():
+            built = [[index] for index in range(1000)]  # containers the collector tracks
+            assert _generation_of(built) == 0
+        assert _generation_of(built) == 2 and gc.get_freeze_count() == 0
+        # where the process froze objects itself, they stay frozen
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with paused_collector():
+            young = [[1], [2]]
+        assert gc.get_freeze_count() == frozen and _generation_of(young) == 0
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
+
+
 # -- the in-place write checks ---------------------------------------------------------------
 
 
