@@ -145,15 +145,6 @@ def test_bad_input_is_named(reference_backend):
         utils.global_norm([fl.tensor(np.ones(2, np.float32)), on_gpu], 2.0)
 
 
-def test_one_tensor_keeps_its_reduction(rng, reference_backend):
-    """One tensor's norm stays a reduction the fusion pass may fuse with the kernel that
-    computes the tensor (normalize_grads_ takes each gradient's norm alone)."""
-    array = rng.standard_normal((9, 4)).astype(np.float32)
-    total = utils.global_norm([fl.tensor(array)], 2.0)
-    assert not any(node.op == "global_norm" for node in toposort([total.node]))
-    np.testing.assert_allclose(total.item(), np.linalg.norm(array.astype(np.float64)), rtol=2e-6)
-
-
 def test_integer_values_are_cast_first(reference_backend):
     values = fl.tensor(np.array([3, -4], np.int32))
     assert utils.global_norm([values, fl.tensor(np.zeros(1, np.float32))], 2.0).item() == 5.0

@@ -103,10 +103,9 @@ def global_norm(grads, norm_type: float = 2.0) -> Tensor:
     """The ``norm_type``-norm of all ``grads`` taken together, as a float32 0-d lazy tensor.
 
     One ``global_norm`` op over every tensor (flame/ir/ops/multi_tensor.py): on the GPU two
-    launches whatever the number of tensors and their dtypes. For one tensor, or where a
-    gradient of the norm could be asked for, a (differentiable) reduction per tensor instead,
-    which the fusion pass may fuse with the kernel that computes the tensor: the same values
-    up to float32 rounding (the terms are summed in another order)."""
+    launches whatever the number of tensors and their dtypes. Where a gradient of the norm
+    could be asked for, one differentiable reduction per tensor instead (same values up to
+    float32 rounding: the terms are summed in another order)."""
     norm_type = float(norm_type)
     if not norm_type > 0:  # inf passes, NaN does not
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
@@ -115,7 +114,7 @@ def global_norm(grads, norm_type: float = 2.0) -> Tensor:
     for grad in grads:
         if not isinstance(grad, Tensor):
             raise TypeError(f"global_norm: expected flame.Tensor values, got {type(grad).__name__}")
-    if len(grads) == 1 or _differentiated(grads):
+    if _differentiated(grads):
         return _per_tensor_norm(grads, norm_type)
     operands = [grad if grad.dtype.is_float else grad.float() for grad in grads]
     return apply_op("global_norm", *operands, p=norm_type)
