@@ -15,11 +15,9 @@ that vary per tensor into entries of a table the kernel reads:
 
 from __future__ import annotations
 
-import math
-
 from flame import records
 from flame.codegen.elementwise import Lowered, lower_elementwise
-from flame.codegen.spec import Arg, KernelSpec
+from flame.codegen.spec import KernelSpec
 from flame.ir.graph import Group
 from flame.ir.node import Node
 from flame.records import Record
@@ -74,61 +72,3 @@ def lower_multi_tensor(group: Group, varying: set[int], aligned: bool, wide: boo
         extras={"columns": locals_, "width": len(columns) + 1, "chunk": CHUNK},
     )
     return MultiTensorLowered(multi, tuple(columns), tuple(shared), lowered)
-
-
-# --- the global norm of many tensors (flame/ir/ops/multi_tensor.py) ----------------------------
-
-NORM_BLOCK = 256  # threads per chunk of CHUNK elements: 64 each
-NORM_FINISH_BLOCK = 512  # the one block that combines every chunk's partial result
-NORM_WIDTH = 4  # table columns per tensor: address, length, dtype code, 16-byte aligned
-NORM_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
-
-
-def norm_kind(p: float) -> str:
-    """The code a norm of order ``p`` needs: ``l1``, ``l2``, ``linf``, or ``lp`` (any other
-    order, read from a kernel argument: p = 3 and p = 4 share one kernel)."""
-    if math.isinf(p):
-        return "linf"
-    return {1.0: "l1", 2.0: "l2"}.get(p, "lp")
-
-
-def lower_global_norm(kind: str, stage: str) -> KernelSpec:
-    """The two kernels of a global norm of kind ``kind`` (``norm_kind``): ``partials`` (one
-    block per chunk of one tensor; the table columns are ``NORM_WIDTH``) and ``finish`` (one
-    block: the chunks' results combined in a fixed order, then the root)."""
-    if kind not in ("l1", "l2", "linf", "lp"):
-        raise ValueError(f"global_norm: unknown norm kind {kind!r}")
-    if stage == "partials":
-        params = (
-            Arg("in", "const long long* __restrict__", "table"),
-            Arg("in", "const long long* __restrict__", "chunks"),
-            Arg("out", "float* __restrict__", "partials"),
-            Arg("value", "float", "p"),
-        )
-        block = NORM_BLOCK
-    elif stage == "finish":
-        params = (
-            Arg("in", "const float* __restrict__", "partials"),
-            Arg("size", "int", "count"),
-            Arg("value", "float", "inverse_p"),
-            Arg("out", "float* __restrict__", "out"),
-        )
-        block = NORM_FINISH_BLOCK
-    else:
-        raise ValueError(f"global_norm: unknown kernel stage {stage!r}")
-    return KernelSpec(
-        name=f"flame_mt_norm_{kind}_{stage}",
-        template="multi_tensor.cu.j2",
-        index_type="long long",
-        vec=1,
-        block=block,
-        params=params,
-        header=(f"global_norm ({kind}), {stage}",),
-        helpers=(),
-        setup=(),
-        prologue=(),
-        body=(),
-        epilogue=(),
-        extras={"norm": kind, "stage": stage, "chunk": CHUNK, "width": NORM_WIDTH},
-        size_class=f"chunks of {CHUNK}",
-    )

@@ -28,14 +28,13 @@ import hashlib
 import math
 
 from flame import reductions
-from flame.autograd import GradError, is_grad_enabled
+from flame.autograd import GradError
 from flame.backend import backend as use_backend
 from flame.backend import get_backend
 from flame.creation import randn, zeros
 from flame.functional import maximum
 from flame.ir import dtypes
-from flame.ir.ops import multi_tensor as _multi_tensor_ops  # noqa: F401  declares global_norm
-from flame.tensor import Tensor, apply_op, clamp
+from flame.tensor import Tensor, clamp
 
 __all__ = [
     "add_grad_noise_", "clip_grad_norm_", "clip_grad_value_", "grad_stats", "normalize_grads_",
@@ -75,8 +74,13 @@ def _norm_of(grad: Tensor, norm_type: float) -> Tensor:
     return reductions.sum(magnitude**norm_type)
 
 
-def _per_tensor_norm(grads, norm_type: float) -> Tensor:
-    """The global norm as one reduction per tensor, combined: differentiable."""
+def global_norm(grads, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all ``grads`` taken together, as a float32 0-d lazy tensor."""
+    norm_type = float(norm_type)
+    if not norm_type > 0:  # inf passes, NaN does not
+        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+    if not grads:
+        return _zero(grads)
     total = None
     for grad in grads:
         part = _norm_of(grad, norm_type)
@@ -89,35 +93,6 @@ def _per_tensor_norm(grads, norm_type: float) -> Tensor:
     if math.isinf(norm_type) or norm_type == 1.0:
         return total
     return total.sqrt() if norm_type == 2.0 else total ** (1.0 / norm_type)
-
-
-def _differentiated(grads) -> bool:
-    """Whether a gradient of the norm could be asked for (gradients from ``backward()`` are
-    detached: checked without a walk)."""
-    if not is_grad_enabled():
-        return False
-    return any(grad.node.op != "detach" and grad.requires_grad for grad in grads)
-
-
-def global_norm(grads, norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type``-norm of all ``grads`` taken together, as a float32 0-d lazy tensor.
-
-    One ``global_norm`` op over every tensor (flame/ir/ops/multi_tensor.py): on the GPU two
-    launches whatever the number of tensors and their dtypes. Where a gradient of the norm
-    could be asked for, one differentiable reduction per tensor instead (same values up to
-    float32 rounding: the terms are summed in another order)."""
-    norm_type = float(norm_type)
-    if not norm_type > 0:  # inf passes, NaN does not
-        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    if not grads:
-        return _zero(grads)
-    for grad in grads:
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"global_norm: expected flame.Tensor values, got {type(grad).__name__}")
-    if _differentiated(grads):
-        return _per_tensor_norm(grads, norm_type)
-    operands = [grad if grad.dtype.is_float else grad.float() for grad in grads]
-    return apply_op("global_norm", *operands, p=norm_type)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False) -> Tensor:

@@ -45,7 +45,7 @@ RECYCLE_BYTES = 64 * 1024
 # wrappers refuse), and a capture that fails runs the program step by step instead.
 CAPTURABLE_LIBRARY_OPS = frozenset(
     {"matmul", "cat", "pad", "conv", "conv_data_grad", "conv_weight_grad", "attention",
-     "attention_backward", "reshape", "slice", "permute", "global_norm"}
+     "attention_backward", "reshape", "slice", "permute"}
 )  # fmt: skip
 
 

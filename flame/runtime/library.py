@@ -23,7 +23,6 @@ IMPLEMENTATION_MODULES = (
     "flame.runtime.library_scan",
     "flame.runtime.library_conv",
     "flame.runtime.library_attention",
-    "flame.runtime.library_norm",
 )
 
 
