@@ -2,6 +2,11 @@
 
     .venv/bin/python notes/probes/first_step_cpu.py [--size full] [--image 32] [--batch 64]
         [--threads 8] [--compile {none,threads,processes,both}] [--profile OUT.pstats]
+        [--model {unet,dit}] [--pin-sources TEXT]
+
+A warm first step: run it twice with one ``FLAME_CACHE_DIR`` (the second process loads the
+plan and kernels from disk); ``--pin-sources`` keeps the plan store's key when flame/ is
+edited between the runs (only sound while the edits build the same plans).
 
 Builds bench.diffusion's FLAME trainer on the CUDA backend with the GPU replaced by the
 reference interpreter (weights realized in NumPy, held as not-yet-uploaded host data), traces
