@@ -63,7 +63,8 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
     if pending:
         realize(*pending)
     if backend == "reference":
-        return _foreach_reference(rule, lists, scalars, into)
+        _foreach_reference(rule, lists, scalars, into)
+        return _renew_written(lists, into)
     column_dtypes = [{node.dtype for node in column} for column in nodes]
     if all(len(kinds) == 1 for kinds in column_dtypes):  # the usual case: one kernel
         by_dtypes = {tuple(next(iter(kinds)) for kinds in column_dtypes): None}
@@ -84,6 +85,24 @@ def foreach(rule, *lists, scalars: Tensor | None = None, into=()):
         if traced.shared_node is not None:
             shared[id(traced.shared_node)] = _array(scalars)
         kernel.launch(storages, [into[result] for result in traced.order], shared)
+    _renew_written(lists, into)
+
+
+def _renew_written(lists, into) -> None:
+    """Each written tensor gets a new node over its memory, and the old one is noted as
+    overwritten (as ``inplace.write`` does): a lazy value built from a parameter before an
+    optimizer step and read after it is refused with both lines named, instead of being
+    computed from the new values (flame/ir/overwritten.py)."""
+    from flame.inplace import _mark_overwritten, _view_again
+
+    for position in sorted(set(into)):
+        for tensor in lists[position]:
+            old = tensor.node
+            node = _view_again(old, storage_of(old))
+            if old.grad_info is not None:
+                node.grad_info = old.grad_info
+            tensor.node = node
+            _mark_overwritten(old, "foreach")
 
 
 def _check(rule, lists, into):

@@ -46,3 +46,23 @@ def test_gpu_loss_read_after_the_step_is_the_steps_loss(optimizer):
     losses, before = _loss_after_step("cuda", optimizer, True)
     np.testing.assert_allclose(losses, before, rtol=1e-5)
     assert losses[0] != losses[-1]
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_a_lazy_value_of_the_old_weights_read_after_the_step_is_refused(optimizer):
+    """Other lazy values built from the weights before ``opt.step()`` (its multi-tensor
+    update writes them in place) are refused when read after it, naming both lines, as an
+    in-place op's old values are; a value built after the step reads the new weights."""
+    with fl.backend("reference"):
+        fl.manual_seed(0)
+        model = fl.nn.Linear(4, 2)
+        opt = getattr(fl.optim, optimizer)(model.parameters(), lr=0.5)
+        x = fl.tensor(np.ones((3, 4), np.float32))
+        model(x).square().mean().backward()
+        before = model(x) * 2  # lazy: built from the weights before the step
+        opt.step()
+        after = (model(x) * 2).numpy()
+        expected = 2 * (np.ones((3, 4)) @ model.weight.numpy().T + model.bias.numpy())
+        np.testing.assert_allclose(after, expected, rtol=1e-6)
+        with pytest.raises(RuntimeError, match="in-place foreach .* overwrote afterwards"):
+            before.numpy()
