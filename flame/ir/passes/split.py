@@ -134,8 +134,9 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     """Sums over leading axes (``dw = (dy * x_hat).sum(0)``): each thread of the column kernel
     owns an output, so few outputs mean few threads. Cut the reduced rows into ``parts``
     blocks of rows, reduce each, then reduce the partial results. ``beside_rows``: how many
-    such column reductions a graph that also reduces these rows has; when a row kernel can
-    keep all their columns in registers, cut the rows into strips it can take over."""
+    such column reductions a graph that also reduces these rows has; when there are some and
+    one reduction's columns fit a row kernel's registers, cut the rows into strips a row
+    kernel can take over (row_columns.py decides, per kernel, how many it takes)."""
     lead = prod(source.shape[: len(axes)])
     rest = source.shape[len(axes) :]
     outputs = prod(rest)
@@ -147,15 +148,8 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
         parts = _column_parts(lead, outputs)
     if parts == 1:
         return None
-    pieces = make_node("reshape", (source,), {"shape": (parts, lead // parts) + rest}, node.site)
-    wide = _widened(node)
-    if wide:
-        pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
-    partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
-    total = make_node(node.op, (partial,), {"axes": (0,)}, node.site)
-    if wide:
-        total = make_node("cast", (total,), {"dtype": node.dtype}, node.site)
-    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+    partial = _partial(node, source, (parts, lead // parts) + rest)
+    return _finished(node, make_node(node.op, (partial,), {"axes": (0,)}, node.site))
 
 
 def _widened(node: Node) -> bool:
@@ -164,6 +158,21 @@ def _widened(node: Node) -> bool:
     kernel can add its strips' partial sums atomically into a float32 total
     (row_columns.py) instead of writing partial rows for a kernel of their own."""
     return node.op == "reduce_sum" and node.dtype in (dtypes.float16, dtypes.bfloat16)
+
+
+def _partial(node: Node, source: Node, strips) -> Node:
+    """The first stage: ``source`` viewed as ``strips`` (P, S, *rest), reduced over S."""
+    pieces = make_node("reshape", (source,), {"shape": strips}, node.site)
+    if _widened(node):
+        pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
+    return make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
+
+
+def _finished(node: Node, total: Node) -> Node:
+    """The total in the reduction's own dtype and shape."""
+    if _widened(node):
+        total = make_node("cast", (total,), {"dtype": node.dtype}, node.site)
+    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
 
 
 def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | None:
@@ -184,18 +193,9 @@ def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | No
     cuts = _cuts(kept, reduced)
     if cuts is None:
         return None
-    pieces = make_node(
-        "reshape", (source,), {"shape": (kept * cuts, reduced // cuts) + rest}, node.site
-    )
-    wide = _widened(node)
-    if wide:
-        pieces = make_node("cast", (pieces,), {"dtype": dtypes.float32}, node.site)
-    partial = make_node(node.op, (pieces,), {"axes": (1,)}, node.site)
+    partial = _partial(node, source, (kept * cuts, reduced // cuts) + rest)
     grouped = make_node("reshape", (partial,), {"shape": (kept, cuts) + rest}, node.site)
-    total = make_node(node.op, (grouped,), {"axes": (1,)}, node.site)
-    if wide:
-        total = make_node("cast", (total,), {"dtype": node.dtype}, node.site)
-    return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+    return _finished(node, make_node(node.op, (grouped,), {"axes": (1,)}, node.site))
 
 
 def _cuts(kept: int, reduced: int) -> int | None:
