@@ -95,8 +95,12 @@ def _renew_written(lists, into) -> None:
     computed from the new values (flame/ir/overwritten.py)."""
     from flame.inplace import _mark_overwritten, _view_again
 
+    renewed = set()  # a tensor listed twice is renewed once
     for position in sorted(set(into)):
         for tensor in lists[position]:
+            if id(tensor) in renewed:
+                continue
+            renewed.add(id(tensor))
             old = tensor.node
             node = _view_again(old, storage_of(old))
             if old.grad_info is not None:
