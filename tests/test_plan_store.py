@@ -21,7 +21,7 @@ import pytest
 import flame as fl
 import flame.nn.functional as F
 from flame.ir.node import Node, Token, toposort
-from flame.runtime import launch, plan_store, reference
+from flame.runtime import launch, plan_payload, plan_store, reference
 from flame.runtime.cache import DiskCache
 from flame.runtime.compiler import KernelCache
 from flame.runtime.device import DeviceInfo
@@ -403,7 +403,7 @@ def test_a_well_framed_but_bad_payload_is_a_miss(cpu_planning, tmp_path, rng, pa
     fresh, _, _ = plan_of(executor, again())
     assert executor.plan_disk_hits == 0 and executor.plan_store.rejected == 1
     assert executor.plan_store.writes == 1  # rewritten
-    assert pickle.loads(disk.get(digest))["signature"] == plan_store._signature(fresh.inputs)
+    assert pickle.loads(disk.get(digest))["signature"] == plan_payload._signature(fresh.inputs)
 
 
 def test_other_sources_or_arch_are_other_keys(cpu_planning, tmp_path, rng):
