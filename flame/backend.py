@@ -82,4 +82,7 @@ def synchronize() -> None:
     if gpu_available():
         import cupy
 
+        from flame.runtime.device_errors import raise_pending
+
         cupy.cuda.get_current_stream().synchronize()
+        raise_pending()

@@ -202,8 +202,9 @@ def scatter_reduce(
     *,
     include_self=True,  # noqa: A002
 ) -> Tensor:
-    """``torch.scatter_reduce`` for ``reduce='sum'``, ``'mean'``, ``'amax'`` and ``'amin'``
-    (``prod`` is not supported yet: an error names it)."""
+    """``torch.scatter_reduce`` for ``reduce='sum'``, ``'prod'``, ``'mean'``, ``'amax'`` and
+    ``'amin'``. ``prod`` of integers is computed in float64 and rounded: exact while every
+    product stays within 2**53 (PyTorch wraps on int64 overflow)."""
     _check_tensors("scatter_reduce", input=input, index=index, src=src)
     if reduce in ("amax", "amin"):
         dim = _dim("scatter_reduce", dim, input.ndim)
@@ -211,10 +212,13 @@ def scatter_reduce(
             "scatter_extreme", input, index, src, dim=dim, largest=reduce == "amax",
             include_self=bool(include_self),
         )  # fmt: skip
+    if reduce == "prod":
+        return _scatter_prod(input, dim, index, src, bool(include_self))
     if reduce not in ("sum", "mean"):
         raise at_user_line(
             ValueError(
-                f"scatter_reduce: reduce={reduce!r} is not supported (sum, mean, amax, amin)"
+                f"scatter_reduce: reduce={reduce!r} is not supported (sum, prod, mean, amax, "
+                "amin)"
             )
         )
     summed = scatter_add(creation.zeros_like(input), dim, index, src)
@@ -228,6 +232,50 @@ def scatter_reduce(
     else:
         total = summed
     return total if include_self else where(counts > 0, total, input)
+
+
+def _scatter_prod(input: Tensor, dim: int, index: Tensor, src: Tensor, include_self: bool):  # noqa: A002
+    """The product of the values scattered to each place (and ``input``'s own, with
+    ``include_self``), as sums: sign from the count of negatives, magnitude ``exp`` of the
+    sum of ``log|x|`` over the non-zero values, and a factor for zeros that is 1 without a
+    zero, the zero itself with one (so its gradient is the product of the others, as in
+    PyTorch) and a constant 0 with two or more. Gradients follow by autograd."""
+    work = dtypes.float64 if not input.dtype.is_float else input.dtype
+    x, values = input.to(work), src.to(work)
+    empty = creation.zeros_like(x)
+
+    def gathered(term_of):
+        total = scatter_add(empty, dim, index, term_of(values))
+        return total + term_of(x) if include_self else total
+
+    def log_magnitude(v):
+        return where(v == 0, 1.0, v).abs().log()  # a zero adds nothing, and no 1/0 backward
+
+    logs = gathered(log_magnitude)
+    negatives = gathered(lambda v: (v < 0).to(work))
+    zeros = gathered(lambda v: (v == 0).to(work))
+    zero_sum = gathered(lambda v: where(v == 0, v, 0.0))
+    sign = 1.0 - 2.0 * (negatives - 2.0 * (negatives * 0.5).floor())
+    zero_factor = where(zeros >= 2, 0.0, where(zeros == 1, zero_sum, 1.0))
+    product = sign * logs.exp() * zero_factor
+    hits = scatter_add(empty, dim, index, creation.ones_like(values))
+    product = where(hits > 0, product, x)  # untouched places keep their value exactly
+    if not input.dtype.is_float:
+        product = product.round()
+    return product.to(input.dtype)
+
+
+def checked_targets(op: str, target: Tensor, classes: int, ignore_index: int) -> Tensor:
+    """``target`` (class indices) refused where a value is outside [0, classes) and not
+    ``ignore_index``: PyTorch's ``IndexError: Target 7 is out of bounds.``, raised when the
+    value is read (on the GPU: at the next read of any value, ``device_errors.py``)."""
+    if target.dtype not in (dtypes.int32, dtypes.int64):
+        raise at_user_line(
+            TypeError(f"{op}: target must hold int32 or int64 class indices, got "
+                      f"{target.dtype.name}{list(target.shape)}")  # fmt: skip
+        )
+    return apply_op("check_index", target, size=classes, ignore=ignore_index,
+                    message=op + ": Target {value} is out of bounds.")  # fmt: skip
 
 
 def nonzero(input: Tensor, *, as_tuple: bool = False):  # noqa: A002

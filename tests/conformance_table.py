@@ -476,7 +476,19 @@ def indexing_cases() -> list[Case]:
             repeated,
             normal(3, 3),
             variant=reduce,
-            grad=reduce in ("sum", "mean"),
+            grad=reduce in ("sum", "prod", "mean"),
+        )
+    zeros_src = np.array([[0.0, 1.5, -2.0], [0.0, 0.0, 3.0], [2.0, 0.0, -1.0]])
+    for include_self in (True, False):
+        found += cases(
+            "scatter_reduce",
+            lambda lib, x, i, s, inc=include_self: lib.fl.scatter_reduce(
+                x, 1, i, s, "prod", include_self=inc
+            ),
+            np.array([[1.0, -2.0, 0.0, 4.0], [0.5, 3.0, 1.0, -1.0], [0.0, 2.0, 2.5, 1.0]]),
+            np.array([[0, 0, 2], [1, 1, 1], [3, 2, 3]]),
+            zeros_src,
+            variant=f"prod-zeros{'' if include_self else '-exclude-self'}",
         )
     return found + [
         *cases("getitem", lambda lib, x, i: x[i], y, np.array([[0, 1], [1, 1]]), variant="tensor"),

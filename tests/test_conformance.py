@@ -48,21 +48,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:Use
 # FLAME bugs and gaps against PyTorch, found by this table: case id -> what differs.
 # A key "<id>" marks the forward and backward tests, "<id>/forward" and "<id>/grad" one of them;
 # "*" in place of the dtype marks the case at every dtype.
-SCATTER_REDUCE = (
-    "fl.scatter_reduce supports only reduce='sum' and 'mean'; PyTorch's {} raises "
-    "ValueError: scatter_reduce: reduce={!r} is not supported (sum, mean)"
-)
-XFAILS: dict[str, str] = {
-    "scatter_reduce-*-prod": SCATTER_REDUCE.format("'prod'", "prod"),
-    "refusal/nll_loss-bad-target": (
-        "F.nll_loss with a target >= the number of classes returns a number instead of "
-        "raising (PyTorch: IndexError: Target 7 is out of bounds)"
-    ),
-    "refusal/cross_entropy-bad-target": (
-        "F.cross_entropy with a target >= the number of classes returns a number instead of "
-        "raising (PyTorch: IndexError: Target 7 is out of bounds)"
-    ),
-}
+XFAILS: dict[str, str] = {}
 
 
 def as_outputs(result) -> list:
@@ -194,14 +180,6 @@ def builtin_class(error: BaseException) -> type:
 
 
 # refused on the reference backend only: the GPU kernels do not read index values back
-UNCHECKED_ON_GPU = {
-    "gather-index-out-of-range": (
-        "on the GPU an out-of-range gather index is not checked (that would need a sync); the "
-        "kernel reads 0 there instead of reading outside the tensor"
-    ),
-}
-
-
 def refusal_param(name: str):
     reason = XFAILS.get(f"refusal/{name}")
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
@@ -213,8 +191,6 @@ def test_refusals_match_torch(name: str, backend):
     """What PyTorch refuses, FLAME refuses with the same builtin error class, at the call or
     at the latest when the value is read (FLAME is lazy)."""
     call, arrays = ERRORS[name]
-    if backend == "cuda" and name in UNCHECKED_ON_GPU:
-        pytest.xfail(UNCHECKED_ON_GPU[name])
     with pytest.raises(Exception) as expected:
         call(TORCH, *[torch.tensor(np.asarray(array)) for array in arrays])
     with pytest.raises(builtin_class(expected.value)):

@@ -1,5 +1,6 @@
 """Indexing ops: the references against PyTorch and NumPy at every dtype, build-time errors,
-out-of-range indices (IndexError on the reference backend; zeros / dropped on the GPU),
+out-of-range indices (IndexError on the reference backend; on the GPU zeros / dropped, and
+the IndexError at the next read),
 fusion boundaries, the generated kernels compiled with NVRTC, and (gpu tier) the kernels
 against the float64 oracle, transposed views included."""
 
@@ -297,6 +298,7 @@ def test_generated_kernels_compile(nvrtc):
     ]
     conversions = [("float32", "float16"), ("float32", "bfloat16"), ("bfloat16", "float32")]
     sources += [indexing_kernels.convert_source("convert", *pair) for pair in conversions]
+    sources += [indexing_kernels.check_source("check", index) for index in ("int32", "int64")]
     for source in sources:
         name = source.split("void ")[1].split("(")[0]
         assert nvrtc_compile(source, name, "sm_90")
@@ -371,19 +373,32 @@ def test_gpu_gather_reads_transposed_views_in_place(cuda_backend, rng):
     np.testing.assert_array_equal(rows.numpy(), oracle(rows))
 
 
+def read_refused(tensor, op: str, value: str) -> np.ndarray:
+    """The first read raises the kernel's report (op, value, this file's line); the value
+    is there for a second read."""
+    with pytest.raises(IndexError) as error:
+        tensor.numpy()
+    message = str(error.value)
+    assert op in message and value in message and "test_indexing.py" in message, message
+    return tensor.numpy()
+
+
 @pytest.mark.gpu
-def test_gpu_out_of_range_indices_read_zero_and_are_dropped(cuda_backend):
-    """Documented GPU behaviour: no error, no access outside the tensor."""
+def test_gpu_out_of_range_indices_are_reported_and_never_read_outside(cuda_backend):
+    """The kernel reads 0 (drops a scatter's contribution) and reports: the next read raises."""
     source = fl.from_numpy(np.arange(1, 13, dtype=np.float32).reshape(3, 4))
-    picked = gather(source, 1, fl.tensor([[0, 4], [-1, 3], [2, 99]])).numpy()
-    np.testing.assert_array_equal(picked, [[1, 0], [0, 8], [11, 0]])
-    taken = take_along_dim(source, fl.tensor([[-1, -5]]), 1).numpy()  # -1 wraps, -5 is out
-    np.testing.assert_array_equal(taken, [[4, 0], [8, 0], [12, 0]])
-    rows = embedding(fl.tensor([2, 3, -1]), source).numpy()
-    np.testing.assert_array_equal(rows, [[9, 10, 11, 12], [0, 0, 0, 0], [0, 0, 0, 0]])
-    summed = scatter_add(floats(4), 0, fl.tensor([1, 4, -1, 1]), floats(4) + 1).numpy()
-    np.testing.assert_array_equal(summed, [0, 2, 0, 0])
-    np.testing.assert_array_equal(one_hot(fl.tensor([1, 3]), 3).numpy(), [[0, 1, 0], [0, 0, 0]])
+    picked = read_refused(gather(source, 1, fl.tensor([[0, 4], [0, 3], [2, 0]])), "gather", "4")
+    np.testing.assert_array_equal(picked, [[1, 0], [5, 8], [11, 9]])
+    taken = take_along_dim(source, fl.tensor([[-1, -5]]), 1)  # -1 wraps, -5 is out
+    np.testing.assert_array_equal(read_refused(taken, "take_along_dim", "-5"),
+                                  [[4, 0], [8, 0], [12, 0]])  # fmt: skip
+    rows = read_refused(embedding(fl.tensor([2, 3, 2]), source), "embedding", "3")
+    np.testing.assert_array_equal(rows, [[9, 10, 11, 12], [0, 0, 0, 0], [9, 10, 11, 12]])
+    summed = scatter_add(floats(4), 0, fl.tensor([1, 4, 1, 1]), floats(4) + 1)
+    np.testing.assert_array_equal(read_refused(summed, "scatter_add", "4"), [0, 3, 0, 0])
+    np.testing.assert_array_equal(read_refused(one_hot(fl.tensor([1, 3]), 3), "one_hot", "3"),
+                                  [[0, 1, 0], [0, 0, 0]])  # fmt: skip
+    np.testing.assert_array_equal(gather(source, 1, fl.tensor([[3]])).numpy(), [[4], [8], [12]])
 
 
 @pytest.mark.gpu

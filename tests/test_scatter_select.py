@@ -49,9 +49,9 @@ def test_scatter_reduce_matches_pytorch(backend, torch, rng, reduce, include_sel
     np.testing.assert_allclose(s.grad.numpy(), ts.grad.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_scatter_reduce_refuses_what_it_lacks(backend):
-    with pytest.raises(ValueError, match="prod.*not supported"):
-        fl.scatter_reduce(fl.zeros(3), 0, fl.zeros(2, dtype=fl.int64), fl.ones(2), "prod")
+def test_scatter_reduce_refuses_an_unknown_reduction(backend):
+    with pytest.raises(ValueError, match="'median' is not supported"):
+        fl.scatter_reduce(fl.zeros(3), 0, fl.zeros(2, dtype=fl.int64), fl.ones(2), "median")
 
 
 def test_nonzero_and_masked_select(backend, rng):

@@ -8,7 +8,7 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
-from flame.indexing import embedding, one_hot
+from flame.indexing import checked_targets, embedding, one_hot
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
 from flame.views import channels_innermost, reshape
@@ -160,6 +160,7 @@ def cross_entropy(
     if target.dtype.is_bool:
         raise TypeError(f"cross_entropy: target must hold class indices, got {target.dtype.name}")
     classes = logits.shape[1]
+    target = checked_targets("cross_entropy", target, classes, ignore_index)
     normalizer = R.logsumexp(logits, 1, keepdim=True)
     is_target = reshape(arange(classes), (1, classes)) == reshape(target, (-1, 1))
     picked = R.sum(where(is_target, logits, 0.0), 1, keepdim=True)

@@ -12,6 +12,7 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.backend import backend as use_backend
 from flame.functional import softplus, where
+from flame.indexing import checked_targets
 from flame.ir.infer import SizeValue
 from flame.ir.shapes import ShapeError
 from flame.linalg import at_user_line
@@ -98,6 +99,7 @@ def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,  # n
     _no_legacy_arguments("nll_loss", size_average, reduce)
     input, weight = full_precision(input, weight)  # autocast: float32 (PyTorch's list)
     rows, target_rows, loss_shape, classes = _class_rows("nll_loss", input, target, False)
+    target_rows = checked_targets("nll_loss", target_rows, classes, ignore_index)
     is_target = _targets("nll_loss", target_rows, classes, input.backend)
     class_weight = _class_weight(weight, classes, "nll_loss")
     valid = target_rows != ignore_index

@@ -1,5 +1,7 @@
 """The CUDA kernels behind the indexing ops: one strided *gather* kernel that every gather-like
-op uses, one *scatter-add* kernel and a storage conversion kernel.
+op uses, one *scatter-add* kernel, an index *check* and a storage conversion kernel. The
+gather, scatter and check kernels report an out-of-range index to the host through
+``device_errors.py``'s mapped word (arguments ``errors`` and ``site``).
 
 The gather kernel walks the result in order. Per result axis it gets a size, a stride into
 the index array and a stride into the source (0 where that axis comes from the index); the
@@ -18,6 +20,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
+from flame.runtime.device_errors import REPORT_SOURCE
 
 BLOCK = 256
 BLOCKS_PER_SM = 32  # a grid-stride loop; enough blocks in flight to hide memory latency
@@ -124,18 +128,21 @@ def _axis_params(rank: int, names: tuple[str, ...]) -> str:
 def gather_source(name: str, rank: int, item_size: int, index: str, offset: str) -> str:
     data = BITS_TYPE[item_size]
     names = ("index", "source")
-    return f"""typedef {offset} offset_t;
+    return f"""{REPORT_SOURCE}
+typedef {offset} offset_t;
 extern "C" __global__ void {name}(
         const {data}* __restrict__ source, const {INDEX_TYPE[index]}* __restrict__ index,
         {data}* __restrict__ out, offset_t total, long long dim_size, offset_t dim_stride,
-        int wrap, {_axis_params(rank, names)}) {{
+        int wrap, unsigned long long* errors, unsigned long long site,
+        {_axis_params(rank, names)}) {{
     {LOOP}
         {_coordinates(rank, names)}
-        long long position = (long long)index[index_offset];
-        if (wrap && position < 0) position += dim_size;
-        // out of range: zero bits, never a read outside the source
-        out[flat] = (position >= 0 && position < dim_size)
-            ? source[source_offset + (offset_t)position * dim_stride] : ({data})0;
+        const long long given = (long long)index[index_offset];
+        const long long position = (wrap && given < 0) ? given + dim_size : given;
+        const bool inside = position >= 0 && position < dim_size;
+        // out of range: zero bits, never a read outside the source, and the host is told
+        if (!inside) flame_report(errors, site, given);
+        out[flat] = inside ? source[source_offset + (offset_t)position * dim_stride] : ({data})0;
     }}
 }}
 """
@@ -156,17 +163,37 @@ def scatter_add_source(name: str, rank: int, dtype: str, index: str, offset: str
     storage, accumulator, load = SCATTER_TYPES[dtype]
     names = ("index", "source", "out")
     value = load.format("source[source_offset]")
-    return f"""{CONVERSIONS}
+    return f"""{CONVERSIONS}{REPORT_SOURCE}
 typedef {offset} offset_t;
 extern "C" __global__ void {name}(
         const {storage}* __restrict__ source, const {INDEX_TYPE[index]}* __restrict__ index,
         {accumulator}* out, offset_t total, long long dim_size, offset_t dim_stride,
-        {_axis_params(rank, names)}) {{
+        unsigned long long* errors, unsigned long long site, {_axis_params(rank, names)}) {{
     {LOOP}
         {_coordinates(rank, names)}
         const long long position = (long long)index[index_offset];
-        if (position < 0 || position >= dim_size) continue;  // out of range: dropped
+        if (position < 0 || position >= dim_size) {{  // out of range: dropped, the host told
+            flame_report(errors, site, position);
+            continue;
+        }}
         flame_atomic_add(out + out_offset + (offset_t)position * dim_stride, {value});
+    }}
+}}
+"""
+
+
+def check_source(name: str, index: str) -> str:
+    """A contiguous copy of an index array; a value outside [0, size) other than ``ignore``
+    is reported to the host (``check_index``: nll_loss's and cross_entropy's targets)."""
+    return f"""{REPORT_SOURCE}
+typedef long long offset_t;
+extern "C" __global__ void {name}(const {INDEX_TYPE[index]}* __restrict__ index,
+        {INDEX_TYPE[index]}* __restrict__ out, offset_t total, long long size, long long ignore,
+        unsigned long long* errors, unsigned long long site) {{
+    {LOOP}
+        const long long value = (long long)index[flat];
+        if ((value < 0 || value >= size) && value != ignore) flame_report(errors, site, value);
+        out[flat] = index[flat];
     }}
 }}
 """
@@ -196,7 +223,7 @@ _lock = threading.Lock()
 
 
 def kernel(kind: str, *key):
-    """The loaded CUDA function of ``kind`` (gather, scatter_add, convert) for ``key``, the
+    """The loaded CUDA function of ``kind`` (gather, scatter_add, check, convert) for ``key``, the
     generator's arguments after the kernel name."""
     signature = (kind, *key)
     function = _functions.get(signature)
@@ -211,6 +238,7 @@ def kernel(kind: str, *key):
         "gather": gather_source,
         "scatter_add": scatter_add_source,
         "convert": convert_source,
+        "check": check_source,
     }
     source = generate[kind](name, *key)
     _, cubin = default_kernel_cache().cubin(source, name)

@@ -11,7 +11,7 @@ import numpy as np
 
 from flame.ir.evaluate import evaluate_elementwise, evaluate_leaf, evaluate_other
 from flame.ir.graph import is_input
-from flame.ir.node import Node, toposort
+from flame.ir.node import Node, format_site, toposort
 from flame.ir.ops import get_op
 
 
@@ -51,7 +51,12 @@ def _evaluate_node(node: Node, values, precision):
     arguments = [values[id(child)] for child in node.inputs]
     if kind == "elementwise":
         return evaluate_elementwise(node, arguments, precision)
-    return evaluate_other(node, arguments, precision)
+    try:
+        return evaluate_other(node, arguments, precision)
+    except IndexError as error:  # an index found out of range: name the op's line
+        if node.site is not None and len(error.args) == 1 and "built at" not in str(error):
+            error.args = (f"{error.args[0]} (the op was built at {format_site(node.site)})",)
+        raise
 
 
 def realize(nodes, storage_factory) -> None:

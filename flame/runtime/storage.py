@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.ir import dtypes
+from flame.runtime.device_errors import raise_pending
 
 
 class Storage:
@@ -44,7 +45,8 @@ class Storage:
             return self.array
         if self.array is None:
             return self.host
-        data = self.array.get()
+        data = self.array.get()  # waits for the stream: a kernel's recorded error is raised
+        raise_pending()
         if self.dtype is dtypes.bfloat16:
             data = data.view(self.dtype.numpy)
         return data

@@ -1,16 +1,19 @@
 """Indexing ops: gathers (``gather``, ``index_select``, ``take_along_dim``, ``embedding``,
-``index_tensor``), ``scatter_add`` and ``one_hot``.
+``index_tensor``), ``scatter_add``, ``one_hot`` and ``check_index``.
 
 Every op here is a library op (a fusion boundary) whose index inputs are int32 or int64 and
 whose ``dim`` attribute is already normalized (``0 <= dim < rank``) by ``flame/indexing.py``.
 
 Out-of-range indices: the references raise ``IndexError`` naming the op, the dim and the
-first offending value. On the GPU (``flame/runtime/library_indexing.py``) nothing is
-checked, but nothing outside the input is touched either: a gather reads 0 (zero bits: 0,
-0.0, False) for an out-of-range index, ``scatter_add`` drops that contribution and
-``one_hot`` writes a row of zeros. Negative indices count from the end only where PyTorch
-does that too (``take_along_dim`` with a dim, ``index_tensor``, i.e. ``x[idx]``); elsewhere
-they are out of range.
+first offending value. On the GPU (``flame/runtime/library_indexing.py``) nothing outside
+the input is touched: a gather reads 0 (zero bits: 0, 0.0, False) for an out-of-range index,
+``scatter_add`` drops that contribution and ``one_hot`` writes a row of zeros; the kernel
+reports the index, and the host raises the same error at its next read of any value
+(``flame/runtime/device_errors.py``). ``check_index`` passes an index through with that
+check alone (nll_loss's targets, which a fused kernel compares with the classes).
+
+Negative indices count from the end only where PyTorch does that too (``take_along_dim`` with
+a dim, ``index_tensor``, i.e. ``x[idx]``); elsewhere they are out of range.
 
 Gradients (rules at the end): every gather's data cotangent is ``scatter_add`` of the
 incoming cotangent into zeros at the same positions (repeated indices add up), and
@@ -311,6 +314,36 @@ def_op(
     "one_hot", "library", 1, ref=_one_hot_ref, shape_rule=_one_hot_rule,
     attrs={"num_classes": 0}, categories="i", differentiable=False,
     doc="int64 [..., num_classes] with a 1 at each label (torch.nn.functional.one_hot)",
+)  # fmt: skip
+
+
+# --- check_index ----------------------------------------------------------------------------
+
+
+def _check_index_rule(inputs, attrs):
+    (index,) = inputs
+    _check_index("check_index", index)
+    size = attrs["size"]
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"check_index: size must be a non-negative int, got {size!r}")
+    return index.dtype, index.shape
+
+
+def _check_index_ref(index, size=0, ignore=None, message="index {value} is out of range"):
+    bad = (index < 0) | (index >= size)
+    if ignore is not None:
+        bad &= index != ignore
+    if bad.any():
+        raise IndexOutOfBounds(message.format(value=index[bad].flat[0]))
+    return index.copy()
+
+
+def_op(
+    "check_index", "library", 1, ref=_check_index_ref, shape_rule=_check_index_rule,
+    attrs={"size": 0, "ignore": None, "message": "index {value} is out of range"},
+    categories="i", differentiable=False,
+    doc="index, unchanged, refused where a value is outside [0, size) and not ignore "
+    "(the GPU reports it at the next read: flame/runtime/device_errors.py)",
 )  # fmt: skip
 
 
