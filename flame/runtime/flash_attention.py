@@ -20,9 +20,17 @@ Memory stays linear in the sequence lengths: scores are never stored whole. The 
   dtype by a last small kernel.
 
 What is compiled in (the kernel key): the part (forward or backward), the dtype, the head dims
-``D`` and ``Dv``, ``causal``, whether there is a bias, and the tile configuration, which is a
-function of ``max(D, Dv)`` (``tiles``). Batch, heads, lengths and every stride are kernel
-arguments: new sizes never recompile.
+``D`` and ``Dv``, ``causal``, whether there is a bias, whether there is dropout, and the tile
+configuration, which is a function of ``max(D, Dv)`` (``tiles``). Batch, heads, lengths, every
+stride and dropout's probability are kernel arguments: new sizes or a new ``p`` never
+recompile.
+
+Dropout (a template switch: the kernels without it are unchanged): both parts draw the mask
+of ``flame.ir.ops.attention.dropout_keep`` in registers from the (seed, offset) int64 pair
+they read from memory, one Philox-4x32-10 call a 2 x 2 block of scores (two of which a thread
+holds); the forward adds only the kept probabilities to O (the row statistics stay those of
+the whole softmax), the backward routes dP through the same mask, so the gradients are those
+of the forward's mask.
 
 Inputs may be strided views with a unit last stride. The kernels read rows 16 bytes at a time,
 so a view whose base or row strides are not multiples of 16 bytes is copied first.
@@ -178,12 +186,13 @@ def supports(head_dim: int, value_dim: int, dtype_name: str) -> str | None:
 
 
 def render(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bool,
-           has_bias: bool) -> tuple[str, str]:  # fmt: skip
+           has_bias: bool, dropout: bool = False) -> tuple[str, str]:  # fmt: skip
     """(kernel name prefix, CUDA source) of ``part`` ("forward" or "backward")."""
     from flame.codegen.render import environment
+    from flame.ir.ops.registry import HELPERS
 
     fwd, bwd = tiles(head_dim, value_dim)
-    flags = ("c" if causal else "") + ("b" if has_bias else "")
+    flags = ("c" if causal else "") + ("b" if has_bias else "") + ("d" if dropout else "")
     name = f"flame_flash_{PTX_TYPES[dtype_name]}_d{head_dim}_v{value_dim}_{flags or 'plain'}"
     template = environment().get_template(TEMPLATE)
     source = template.render(
@@ -197,6 +206,8 @@ def render(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bo
         value_dim_padded=_padded(value_dim),
         causal=causal,
         has_bias=has_bias,
+        dropout=dropout,
+        philox_source=HELPERS["flame_philox"] if dropout else "",
         fwd=fwd,
         bwd=bwd,
     )
@@ -209,10 +220,11 @@ _lock = threading.Lock()
 
 
 def _kernels(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: bool,
-             has_bias: bool) -> dict:  # fmt: skip
+             has_bias: bool, dropout: bool = False) -> dict:  # fmt: skip
     """The loaded functions of ``part`` by short name, compiled through FLAME's kernel cache."""
     # the tiles are a function of the head dims, or of FLAME_FLASH_TILES (A/B runs)
-    key = (part, dtype_name, head_dim, value_dim, causal, has_bias, tiles(head_dim, value_dim))
+    key = (part, dtype_name, head_dim, value_dim, causal, has_bias, dropout,
+           tiles(head_dim, value_dim))  # fmt: skip
     functions = _functions.get(key)
     if functions is not None:
         return functions
@@ -221,7 +233,7 @@ def _kernels(part: str, dtype_name: str, head_dim: int, value_dim: int, causal: 
 
     from flame.runtime.compiler import default_kernel_cache
 
-    name, source = render(*key[:6])
+    name, source = render(*key[:7])
     _, cubin = default_kernel_cache().cubin(source, f"{name}_{part}")
     entries = ("forward",) if part == "forward" else ("backward", "delta", "convert")
     shared_bytes = forward_shared_bytes if part == "forward" else backward_shared_bytes
@@ -300,9 +312,31 @@ def _stream():
     return cupy.cuda.get_current_stream()
 
 
-def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
+def keep_threshold(p: float) -> int:
+    """The 24-bit threshold of dropout's ``u >= p`` on integers: u = bits 2**-24 >= p exactly
+    when bits >= ceil(p 2**24) (2**24 at p = 1: nothing is kept)."""
+    return math.ceil(p * (1 << 24))
+
+
+def _dropout_arguments(dropout: float, rng) -> list:
+    """The kernels' trailing arguments with dropout: the (seed, offset) int64 pair (device
+    memory, read by the kernel), the keep threshold and 1 / (1 - p); none without."""
+    if not dropout:
+        return []
+    from flame.ir.ops.attention import keep_scale
+
+    assert rng is not None and rng.dtype == np.int64 and rng.size == 2, (
+        "flash attention: dropout needs the int64 (seed, offset) pair"
+    )
+    return [rng, np.uint32(keep_threshold(dropout)), np.float32(keep_scale(dropout))]
+
+
+def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None, dropout: float = 0.0,
+            rng=None):  # fmt: skip
     """``(o, lse)``: o [B, Hq, Lq, Dv] in ``dtype``, lse float32 [B, Hq, Lq] (natural log of
-    the sum of exp of the scaled, biased scores; -inf where every key is masked)."""
+    the sum of exp of the scaled, biased scores; -inf where every key is masked). With
+    ``dropout`` = p > 0, o is computed from the probabilities dropped by the mask that
+    ``rng`` (int64 [2] on the device: seed, offset) draws, the kept ones scaled by 1/(1-p)."""
     import cupy
 
     _check(q, k, v, dtype, bias)
@@ -319,7 +353,8 @@ def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
         # the plain kernel takes the row max of the raw scores, right only for a positive
         # scale; any other goes through the bias variant with a zero bias (every stride 0)
         bias = cupy.broadcast_to(cupy.zeros((1, 1, 1, 1), dtype=np.float32), (batch, heads, lq, lk))
-    kernels = _kernels("forward", dtype, head_dim, value_dim, causal, bias is not None)
+    kernels = _kernels("forward", dtype, head_dim, value_dim, causal, bias is not None,
+                       dropout > 0)  # fmt: skip
     fwd, _ = tiles(head_dim, value_dim)
     query_tiles = -(-lq // (16 * fwd.m_tiles * fwd.warps))
     assert query_tiles <= MAX_QUERY_TILES, f"Lq {lq} is too long for one grid column"
@@ -331,6 +366,7 @@ def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
         *(np.int64(s) for s in _strides(v)[:3]),
         *_bias_arguments(bias, q)[1:],
         np.float32(scale * math.log2(math.e)),
+        *_dropout_arguments(dropout, rng),
     ]  # fmt: skip
     kernels["forward"](
         (batch * heads, query_tiles),
@@ -342,9 +378,11 @@ def forward(q, k, v, *, scale: float, causal: bool, dtype: str, bias=None):
     return o, lse
 
 
-def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bias=None):
+def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bias=None,
+             dropout: float = 0.0, rng=None):  # fmt: skip
     """``(dq, dk, dv)`` of ``forward``'s o for the incoming gradient ``do``, C-contiguous in
-    ``dtype``; dk and dv summed over the query heads that share a kv head."""
+    ``dtype``; dk and dv summed over the query heads that share a kv head. ``dropout`` and
+    ``rng``: the forward's (the same mask is drawn again)."""
     import cupy
 
     _check(q, k, v, dtype, bias)
@@ -366,7 +404,8 @@ def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bia
     q, k, v = _readable(q, "q"), _readable(k, "k"), _readable(v, "v")
     o, do = _readable(o, "o"), _readable(do, "do")
     lse = cupy.ascontiguousarray(lse)
-    kernels = _kernels("backward", dtype, head_dim, value_dim, causal, bias is not None)
+    kernels = _kernels("backward", dtype, head_dim, value_dim, causal, bias is not None,
+                       dropout > 0)  # fmt: skip
     _, bwd = tiles(head_dim, value_dim)
     stream = _stream()
 
@@ -403,6 +442,7 @@ def backward(q, k, v, o, do, lse, *, scale: float, causal: bool, dtype: str, bia
         *(np.int64(s) for s in _strides(do)[:3]),
         *bias_arguments[1:],
         np.float32(scale), np.float32(scale * math.log2(math.e)),
+        *_dropout_arguments(dropout, rng),
     ]  # fmt: skip
     kernels["backward"](
         (batch * kv_heads, key_tiles),

@@ -11,6 +11,12 @@ linear in the sequence length.
 Inputs are read in place (any strides with a unit stride on the head dim: ``[B, L, H, D]``
 memory seen as ``[B, H, L, D]`` needs no copy). A bias whose query or key axis is broadcast
 is expanded on those axes first (cuDNN broadcasts only batch and heads).
+
+Dropout (``dropout`` > 0): the last input is the (seed, offset) int64 pair of FLAME's
+generator, read from device memory by the kernels (so compiled programs and CUDA graphs draw
+a new mask at every call). FLAME's flash kernels draw the reference's mask
+(``flame.ir.ops.attention.dropout_keep``) bit for bit. The forward and the backward of one
+attention must draw the same mask, so they take the same path.
 """
 
 from __future__ import annotations
@@ -38,13 +44,29 @@ class CudnnFallbackWarning(RuntimeWarning):
 def describe(node: Node) -> str:
     shapes = ", ".join(f"{child.dtype.name}{list(child.shape)}" for child in node.inputs[:3])
     extra = ", bias" if _has_bias(node) else ""
+    if _dropout(node):
+        extra += f", dropout={_dropout(node):.6g}"
     return (
         f"{node.op}({shapes}{extra}, scale={node.attr('scale'):.6g}, causal={node.attr('causal')})"
     )
 
 
+def _dropout(node: Node) -> float:
+    return float(node.attr("dropout", 0.0) or 0.0)
+
+
 def _has_bias(node: Node) -> bool:
-    return len(node.inputs) == (4 if node.op == "attention" else 6)
+    count = len(node.inputs) - (1 if _dropout(node) else 0)
+    return count == (4 if node.op == "attention" else 6)
+
+
+def _rng_split(node: Node, arrays: list) -> tuple[list, object]:
+    """(the other inputs, the (seed, offset) int64 pair or None)."""
+    if not _dropout(node):
+        return arrays, None
+    import cupy
+
+    return arrays[:-1], cupy.ascontiguousarray(arrays[-1])
 
 
 def _bits(array, dtype_name: str):
@@ -219,6 +241,7 @@ def _check_flash(node, q, v) -> None:
 def attention(node: Node, arrays: list):
     import cupy
 
+    arrays, rng = _rng_split(node, arrays)
     arrays = [_bits(array, node.dtype.name) for array in arrays]
     q, k, v = (_unit_last(array) for array in arrays[:3])
     bias = arrays[3] if len(arrays) > 3 else None
@@ -235,12 +258,14 @@ def attention(node: Node, arrays: list):
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
     run = lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed)  # noqa: E731
-    if (bias is None or cudnn_bias is not None) and _try_cudnn(node, run):
+    cudnn_takes = (bias is None or cudnn_bias is not None) and not _dropout(node)
+    if cudnn_takes and _try_cudnn(node, run):
         return packed
     _check_flash(node, q, v)
     out, lse = _flash().forward(
         q, k, v, scale=float(node.attr("scale")), causal=bool(node.attr("causal")),
         bias=_flash_bias(bias, node, scores_shape), dtype=node.dtype.name,
+        dropout=_dropout(node), rng=rng,
     )  # fmt: skip
     packed[:count] = out.reshape(-1)
     packed[count:].view(np.float32)[...] = lse.reshape(-1)
@@ -251,6 +276,7 @@ def attention(node: Node, arrays: list):
 def attention_backward(node: Node, arrays: list):
     import cupy
 
+    arrays, rng = _rng_split(node, arrays)
     arrays = [_bits(array, node.dtype.name) for array in arrays]
     q, k, v = (_unit_last(array) for array in arrays[:3])
     packed, d_out = arrays[3], _unit_last(arrays[4])
@@ -269,7 +295,8 @@ def attention_backward(node: Node, arrays: list):
     stats = packed[count:]
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    if (bias is None or cudnn_bias is not None) and _try_cudnn(
+    cudnn_takes = (bias is None or cudnn_bias is not None) and not _dropout(node)
+    if cudnn_takes and _try_cudnn(
         node,
         lambda: _cudnn_backward(node, q, k, v, cudnn_bias, out, stats.data.ptr, d_out, grads),
     ):
@@ -279,7 +306,7 @@ def attention_backward(node: Node, arrays: list):
     d_q, d_k, d_v = _flash().backward(
         q, k, v, out, d_out, lse, scale=float(node.attr("scale")),
         causal=bool(node.attr("causal")), bias=_flash_bias(bias, node, scores_shape),
-        dtype=node.dtype.name,
+        dtype=node.dtype.name, dropout=_dropout(node), rng=rng,
     )  # fmt: skip
     start = 0
     for part in (d_q, d_k, d_v):

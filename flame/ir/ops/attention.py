@@ -20,12 +20,25 @@ ops, or FLAME's own flash-attention kernel where cuDNN refuses a case or is abse
 (``flame/runtime/library_attention.py``). The references compute in float64 and materialise
 the scores; their statistics slots are not meant to be read (the reference backward
 recomputes what it needs), so only the O part of a forward result is compared with a GPU's.
+
+Dropout (``dropout=p > 0``, PyTorch's ``dropout_p``): the softmax probabilities (after the
+masks) are dropped with probability ``p`` and the kept ones scaled by ``1 / (1 - p)``; the
+statistics stay those of the undropped softmax. The op then takes one more input, last: an
+int64 [2] tensor (seed, offset) from FLAME's generator (flame/random.py), and
+``attention_backward`` takes the same tensor, so both draw the same mask. The mask is a pure
+function of (seed, offset, b, h, i, j): element (b, h, i, j) of [B, Hq, Lq, Lk] keeps its value
+when ``u >= p``, u the 24 random bits of Philox word ``2 (i % 2) + j % 2`` of counter
+``offset + (((b Hq + h) ceil(Lq/2) + i // 2) ceil(Lk/2) + j // 2)`` (key ``seed``) times 2**-24:
+one Philox call serves a 2 x 2 block of scores, which both the forward kernel (rows = queries)
+and the backward kernel (rows = keys) hold two of in one thread (``dropout_keep``). A draw
+takes ``dropout_counters`` counters of the generator.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from flame.ir.ops.leaves import philox4x32
 from flame.ir.ops.registry import def_op, def_vjp
 from flame.ir.shapes import ShapeError
 
@@ -86,8 +99,35 @@ def _split(inputs, count: int):
     return tuple(inputs[:count]), (inputs[count] if len(inputs) > count else None)
 
 
+def split_inputs(inputs, count: int, dropout) -> tuple:
+    """(the ``count`` leading inputs, the bias or None, the (seed, offset) input or None): the
+    random state comes last, and only with dropout."""
+    inputs = tuple(inputs)
+    rng = None
+    if dropout:
+        if not inputs:
+            raise TypeError("expected the (seed, offset) input last with dropout")
+        rng, inputs = inputs[-1], inputs[:-1]
+    main, bias = _split(inputs, count)
+    return main, bias, rng
+
+
+def _check_dropout(op: str, dropout, rng) -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"{op}: dropout must be a float in [0, 1], got {dropout!r}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"{op}: dropout must be in [0, 1], got {dropout}")
+    if rng is not None and (rng.dtype.name != "int64" or tuple(rng.shape) != (2,)):
+        raise TypeError(
+            f"{op}: with dropout the last input must be the int64[2] (seed, offset) of a "
+            f"generator, got {_shown(rng)}"
+        )
+
+
 def _attention_rule(inputs, attrs):
-    (q, k, v), bias = _split(inputs, 3)
+    dropout = attrs.get("dropout", 0.0)
+    (q, k, v), bias, rng = split_inputs(inputs, 3, dropout)
+    _check_dropout("attention", dropout, rng)
     _check_qkv("attention", q, k, v, bias)
     if attrs.get("slots") != stats_slots(q.dtype):
         raise ValueError(
@@ -99,7 +139,9 @@ def _attention_rule(inputs, attrs):
 
 
 def _backward_rule(inputs, attrs):
-    (q, k, v, out, d_out), bias = _split(inputs, 5)
+    dropout = attrs.get("dropout", 0.0)
+    (q, k, v, out, d_out), bias, rng = split_inputs(inputs, 5, dropout)
+    _check_dropout("attention_backward", dropout, rng)
     _check_qkv("attention_backward", q, k, v, bias)
     o_shape = (*q.shape[:3], v.shape[3])
     if tuple(d_out.shape) != o_shape or d_out.dtype is not q.dtype:
@@ -139,28 +181,75 @@ def _lifted(*arrays):
     return [None if array is None else np.asarray(array, np.float64) for array in arrays]
 
 
-def _attention_ref(q, k, v, bias=None, scale=1.0, causal=False):
+# --- dropout's mask ----------------------------------------------------------------------------
+
+_UINT64 = (1 << 64) - 1
+
+
+def dropout_counters(q_shape, k_shape) -> int:
+    """Counters of the generator one mask takes: one a 2 x 2 block of the scores."""
+    batch, heads, lq = q_shape[:3]
+    return batch * heads * (-(-lq // 2)) * (-(-k_shape[2] // 2))
+
+
+def keep_scale(p: float) -> float:
+    """What a kept probability is multiplied by: 1 / (1 - p) (0 at p = 1: nothing is kept)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def dropout_keep(rng, shape, p: float) -> np.ndarray:
+    """The mask (True: kept) of the [B, Hq, Lq, Lk] scores drawn from ``rng`` = (seed,
+    offset): element (b, h, i, j) is kept when u >= p, u the 24 bits of Philox word
+    2 (i % 2) + j % 2 of counter offset + ((b Hq + h) ceil(Lq/2) + i // 2) ceil(Lk/2) + j // 2
+    times 2**-24 (FLAME's Philox, keyed by the seed, as ``rand`` draws)."""
+    seed, offset = (int(value) for value in np.asarray(rng).astype(np.int64).reshape(2))
+    batch, heads, lq, lk = shape
+    rows, cols = np.uint64(-(-lq // 2)), np.uint64(-(-lk // 2))
+    head = np.arange(batch * heads, dtype=np.uint64).reshape(batch, heads, 1, 1)
+    query = np.arange(lq, dtype=np.uint64).reshape(1, 1, lq, 1)
+    key = np.arange(lk, dtype=np.uint64).reshape(1, 1, 1, lk)
+    block = (head * rows + query // np.uint64(2)) * cols + key // np.uint64(2)
+    words = philox4x32(block + np.uint64(offset & _UINT64), seed & _UINT64)
+    pick = np.broadcast_to(2 * (query % np.uint64(2)) + key % np.uint64(2), block.shape)
+    word = np.choose(pick.astype(np.intp), words)
+    uniform = (word >> np.uint32(8)).astype(np.float64) * (1.0 / (1 << 24))
+    return uniform >= p
+
+
+def _dropped(weights, dropout: float, rng):
+    """``weights`` [B, Hq, Lq, Lk] with dropout's mask applied and the kept ones scaled."""
+    if not dropout:
+        return weights
+    keep = dropout_keep(rng, weights.shape, dropout)
+    return np.where(keep, weights * keep_scale(dropout), 0.0)
+
+
+def _attention_ref(q, k, v, bias=None, scale=1.0, causal=False, dropout=0.0, rng=None):
     q, k, v, bias = _lifted(q, k, v, bias)
     probabilities, lse = _probabilities(q, k, bias, scale, causal)
-    out = probabilities @ np.repeat(v, q.shape[1] // k.shape[1], axis=1)
+    weights = _dropped(probabilities, dropout, rng)
+    out = weights @ np.repeat(v, q.shape[1] // k.shape[1], axis=1)
     return out, lse
 
 
-def _attention_packed_ref(*inputs, scale=1.0, causal=False, slots=1):
-    (q, k, v), bias = _split(inputs, 3)
-    out, lse = _attention_ref(q, k, v, bias, scale, causal)
+def _attention_packed_ref(*inputs, scale=1.0, causal=False, slots=1, dropout=0.0):
+    (q, k, v), bias, rng = split_inputs(inputs, 3, dropout)
+    out, lse = _attention_ref(q, k, v, bias, scale, causal, dropout, rng)
     return np.concatenate([out.ravel(), np.repeat(lse.ravel(), slots)])
 
 
-def _attention_backward_ref(*inputs, scale=1.0, causal=False):
-    (q, k, v, _out, d_out), bias = _split(inputs, 5)
+def _attention_backward_ref(*inputs, scale=1.0, causal=False, dropout=0.0):
+    (q, k, v, _out, d_out), bias, rng = split_inputs(inputs, 5, dropout)
     q, k, v, d_out, bias = _lifted(q, k, v, d_out, bias)
     groups = q.shape[1] // k.shape[1]
     probabilities, _ = _probabilities(q, k, bias, scale, causal)
     values = np.repeat(v, groups, axis=1)
-    out = probabilities @ values
-    d_values = np.swapaxes(probabilities, -1, -2) @ d_out
-    d_probabilities = d_out @ np.swapaxes(values, -1, -2)
+    weights = _dropped(probabilities, dropout, rng)  # what multiplied V
+    out = weights @ values
+    d_values = np.swapaxes(weights, -1, -2) @ d_out
+    # through the dropout (the same mask and scale) back to the probabilities; the row sums
+    # sum(dP * P) equal sum(dO * O) with dropout too
+    d_probabilities = _dropped(d_out @ np.swapaxes(values, -1, -2), dropout, rng)
     d_scores = probabilities * (d_probabilities - np.sum(d_out * out, axis=-1, keepdims=True))
     d_q = scale * (d_scores @ np.repeat(k, groups, axis=1))
     d_keys = scale * (np.swapaxes(d_scores, -1, -2) @ q)
@@ -173,12 +262,13 @@ def _attention_backward_ref(*inputs, scale=1.0, causal=False):
 
 def_op(
     "attention", "library", -1, ref=_attention_packed_ref, shape_rule=_attention_rule,
-    attrs={"scale": 1.0, "causal": False, "slots": 1}, categories="f",
+    attrs={"scale": 1.0, "causal": False, "slots": 1, "dropout": 0.0}, categories="f",
     doc="fused attention: O (and the softmax statistics the backward reads) in one buffer",
 )  # fmt: skip
 def_op(
     "attention_backward", "library", -1, ref=_attention_backward_ref,
-    shape_rule=_backward_rule, attrs={"scale": 1.0, "causal": False}, categories="f",
+    shape_rule=_backward_rule, attrs={"scale": 1.0, "causal": False, "dropout": 0.0},
+    categories="f",
     differentiable=False, internal=True,
     doc="dQ, dK and dV of fused attention, in one buffer",
 )  # fmt: skip
@@ -197,15 +287,19 @@ def unpack(F, packed, shapes):
     return views
 
 
-def _attention_vjp(F, g, out, *inputs, scale=1.0, causal=False, slots=1):
+def _attention_vjp(F, g, out, *inputs, scale=1.0, causal=False, slots=1, dropout=0.0):
     from flame.tensor import apply_op
 
-    (q, k, v), bias = _split(inputs, 3)
+    (q, k, v), bias, rng = split_inputs(inputs, 3, dropout)
     (d_out,) = unpack(F, g, [(*q.shape[:3], v.shape[3])])
-    extra = (bias,) if bias is not None else ()
-    packed = apply_op("attention_backward", q, k, v, out, d_out, *extra, scale=scale, causal=causal)
+    extra = tuple(value for value in (bias, rng) if value is not None)
+    # the same (seed, offset) tensor: the backward draws the forward's mask again
+    attrs = {"dropout": dropout} if dropout else {}
+    packed = apply_op(
+        "attention_backward", q, k, v, out, d_out, *extra, scale=scale, causal=causal, **attrs
+    )
     d_q, d_k, d_v = unpack(F, packed, [q.shape, k.shape, v.shape])
-    return (d_q, d_k, d_v) + ((None,) if bias is not None else ())
+    return (d_q, d_k, d_v) + (None,) * len(extra)
 
 
 def_vjp("attention", _attention_vjp)
