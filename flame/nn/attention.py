@@ -4,11 +4,13 @@ functional core of ``nn.MultiheadAttention``: in-projection, heads, masks, out-p
 with ``need_weights=False`` the heads go through ``scaled_dot_product_attention``, as
 PyTorch's do, and PyTorch's ``is_causal`` hint and error types are kept).
 
-Float16 and bfloat16 attention without dropout is one fused op (``attention``,
-flame/ir/ops/attention.py: cuDNN's flash attention, or FLAME's own flash kernel; the
-[L, S] scores are never stored); other calls take the math path written with public FLAME
-ops (matmul, mask, softmax, dropout from FLAME's generator, matmul). As PyTorch's, a row
-whose every key is masked gives zeros (a "safe" softmax), not NaN.
+Float16 and bfloat16 attention is one fused op (``attention``, flame/ir/ops/attention.py:
+cuDNN's flash attention, or FLAME's own flash kernel; the [L, S] scores are never stored),
+dropout included: its mask is drawn inside the kernels from FLAME's generator (the default
+one, as PyTorch's), the backward drawing the same mask again. Other calls take the math path
+written with public FLAME ops (matmul, mask, softmax, dropout from FLAME's generator,
+matmul). As PyTorch's, a row whose every key is masked gives zeros (a "safe" softmax), not
+NaN.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def scaled_dot_product_attention(
         )
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if _fusable(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return _attention_op(query, key, value, attn_mask, is_causal, factor)
+        return _attention_op(query, key, value, attn_mask, is_causal, factor, dropout_p)
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = matmul(query, transpose(key, -2, -1)) * factor
@@ -167,8 +169,8 @@ def _fusable(query, key, value, attn_mask, dropout_p: float, enable_gqa: bool) -
     this call; the rest takes the math path above. The op covers 16-bit floats, head dims
     that are multiples of 8 up to 256, up to 4 dims with key/value heads that equal the
     query's (or divide them, with ``enable_gqa``), and masks that need no gradient; dropout
-    goes the math path (FLAME's generator there)."""
-    if dropout_p > 0.0 or query.dtype.name not in FUSED_DTYPES or query.ndim > 4:
+    too (its mask drawn in the kernels)."""
+    if query.dtype.name not in FUSED_DTYPES or query.ndim > 4:
         return False
     if not (query.dtype is key.dtype is value.dtype) or not key.ndim == value.ndim == query.ndim:
         return False
@@ -188,7 +190,8 @@ def _four_dims(tensor: Tensor) -> Tensor:
     return reshape(tensor, (1,) * (4 - tensor.ndim) + tuple(tensor.shape))
 
 
-def _attention_op(query, key, value, attn_mask, is_causal: bool, scale: float) -> Tensor:
+def _attention_op(query, key, value, attn_mask, is_causal: bool, scale: float,
+                  dropout_p: float = 0.0) -> Tensor:  # fmt: skip
     from flame.ir.ops.attention import stats_slots, unpack
     from flame.tensor import apply_op
 
@@ -201,9 +204,13 @@ def _attention_op(query, key, value, attn_mask, is_causal: bool, scale: float) -
         else:
             bias = attn_mask.to(q.dtype)
         extra = (_four_dims(bias),)
+    attrs = {}
+    if dropout_p > 0.0:  # without dropout the node (and its kernels) are those of before
+        extra += (_dropout_state(q, k),)
+        attrs["dropout"] = float(dropout_p)
     packed = apply_op(
         "attention", q, k, v, *extra, scale=float(scale), causal=bool(is_causal),
-        slots=stats_slots(q.dtype),
+        slots=stats_slots(q.dtype), **attrs,
     )  # fmt: skip
     (out,) = unpack(_views(), packed, [(*q.shape[:3], v.shape[3])])
     return reshape(out, (*query.shape[:-1], value.shape[-1]))
@@ -213,6 +220,21 @@ def _views():
     from flame.autograd import functions
 
     return functions()
+
+
+def _dropout_state(q: Tensor, k: Tensor) -> Tensor:
+    """The (seed, offset) int64 [2] tensor of one dropout mask, from the default generator as
+    ``F.dropout`` draws (flame/random.py): in lazy mode a buffer made for this draw; inside
+    ``flame.compile`` the generator's state buffer, read at every call, plus this draw's
+    place in the trace."""
+    from flame.ir.ops.attention import dropout_counters
+    from flame.random import _generator, _key
+
+    state, local = _key(_generator(None), dropout_counters(q.shape, k.shape), q.backend)
+    if not local:
+        return state
+    with use_backend(q.backend):
+        return state + constant(np.array([0, local], dtype=np.int64))
 
 
 # --- the functional form -----------------------------------------------------------------------
