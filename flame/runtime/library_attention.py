@@ -15,8 +15,12 @@ is expanded on those axes first (cuDNN broadcasts only batch and heads).
 Dropout (``dropout`` > 0): the last input is the (seed, offset) int64 pair of FLAME's
 generator, read from device memory by the kernels (so compiled programs and CUDA graphs draw
 a new mask at every call). FLAME's flash kernels draw the reference's mask
-(``flame.ir.ops.attention.dropout_keep``) bit for bit. The forward and the backward of one
-attention must draw the same mask, so they take the same path.
+(``flame.ir.ops.attention.dropout_keep``) bit for bit; cuDNN draws its own (its Philox stream,
+keyed by the same seed and offset, read through int64 [1, 1, 1, 1] device tensors). The
+forward and the backward of one attention must draw the same mask, so they take the same
+path: cuDNN runs a forward with dropout only once the backward's plan for it has built too
+(the backward reads dO contiguous, so its plan is known at the forward), and the backward
+takes FLAME's kernel exactly where the forward's configuration was refused.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from flame.runtime import library_cudnn as dnn
 from flame.runtime.library import implements
 from flame.runtime.library_scan import _widened
 
-Q, K, V, BIAS, O, STATS, DO, DQ, DK, DV = range(1, 11)  # noqa: E741 (tensor uids in plans)
+Q, K, V, BIAS, O, STATS, DO, DQ, DK, DV, SEED, OFFSET = range(1, 13)  # noqa: E741 (plan uids)
 _REFUSED: dict[tuple, str] = {}  # configurations cuDNN refused, with its reason
 
 
@@ -113,7 +117,33 @@ def _element_strides(array) -> list[int]:
     ]
 
 
-def _cudnn_forward(node, q, k, v, bias, packed) -> None:
+def _dropout_key(node) -> tuple:
+    """What dropout adds to a plan's key (nothing without: the plans of before)."""
+    return (("dropout", _dropout(node)),) if _dropout(node) else ()
+
+
+def _dropout_option(graph, node, options: dict) -> None:
+    """cuDNN's dropout: the probability (compiled into the plan) and the seed and offset as
+    int64 device tensors, read when the plan runs (FLAME's generator pair)."""
+    if not _dropout(node):
+        return
+    made = []
+    for uid, name in ((SEED, "seed"), (OFFSET, "offset")):
+        tensor = graph.tensor(
+            name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dnn.data_type("int64")
+        )
+        tensor.set_uid(uid)
+        made.append(tensor)
+    options["dropout"] = (_dropout(node), *made)
+
+
+def _dropout_pointers(pointers: dict, rng) -> None:
+    if rng is not None:  # (seed, offset): two int64 of one contiguous pair
+        pointers[SEED] = rng.data.ptr
+        pointers[OFFSET] = rng.data.ptr + rng.itemsize
+
+
+def _cudnn_forward(node, q, k, v, bias, packed, rng=None) -> None:
     dtype = node.dtype.name
     o_shape = (*q.shape[:3], v.shape[3])
     scale, causal = float(node.attr("scale")), bool(node.attr("causal"))
@@ -121,7 +151,11 @@ def _cudnn_forward(node, q, k, v, bias, packed) -> None:
     key = ("sdpa", dtype, scale, causal) + tuple(
         (uid, tuple(array.shape), tuple(_element_strides(array))) for uid, array in arrays
     )
+    key += _dropout_key(node)
     label = functools.partial(describe, node)  # formatted only for an error
+    if rng is not None:  # the backward must draw this mask again: its plan must build too
+        out = packed[: output_count(q.shape, v.shape)].reshape(o_shape)
+        _backward_plan(node, q, k, v, bias, out, out)
 
     def define(graph):
         made = {
@@ -131,6 +165,7 @@ def _cudnn_forward(node, q, k, v, bias, packed) -> None:
         options = {"attn_scale": scale, "use_causal_mask": causal}
         if BIAS in made:
             options["bias"] = made[BIAS]
+        _dropout_option(graph, node, options)
         try:
             out, stats = graph.sdpa(q=made[Q], k=made[K], v=made[V], generate_stats=True, **options)
         except TypeError:  # frontends before generate_stats spell it is_inference
@@ -147,10 +182,13 @@ def _cudnn_forward(node, q, k, v, bias, packed) -> None:
     pointers = {uid: array.data.ptr for uid, array in arrays}
     pointers[O] = base
     pointers[STATS] = base + output_count(q.shape, v.shape) * packed.itemsize
+    _dropout_pointers(pointers, rng)
     dnn.execute(made, pointers, label)
 
 
-def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads) -> None:
+def _backward_plan(node, q, k, v, bias, out, d_out):
+    """(the plan of ``sdpa_backward`` for these arrays' shapes and strides, the arrays by
+    uid); ``node``'s dtype and attributes (the forward's and the backward's agree)."""
     dtype = node.dtype.name
     scale, causal = float(node.attr("scale")), bool(node.attr("causal"))
     arrays = [(Q, q), (K, k), (V, v), (O, out), (DO, d_out)]
@@ -158,6 +196,7 @@ def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads) -> No
     key = ("sdpa_backward", dtype, scale, causal) + tuple(
         (uid, tuple(array.shape), tuple(_element_strides(array))) for uid, array in arrays
     )
+    key += _dropout_key(node)
     label = functools.partial(describe, node)  # formatted only for an error
     shapes = {DQ: q.shape, DK: k.shape, DV: v.shape}
 
@@ -174,6 +213,7 @@ def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads) -> No
         options = {"attn_scale": scale, "use_causal_mask": causal}
         if BIAS in made:
             options["bias"] = made[BIAS]
+        _dropout_option(graph, node, options)
         results = graph.sdpa_backward(
             q=made[Q], k=made[K], v=made[V], o=made[O], dO=made[DO], stats=stats, **options
         )
@@ -182,14 +222,20 @@ def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads) -> No
             result.set_output(True).set_dim(list(shape)).set_stride(_contiguous_strides(shape))
             result.set_data_type(dnn.data_type(dtype)).set_uid(uid)
 
-    made = dnn.plan(key, dtype, define, label)
+    return dnn.plan(key, dtype, define, label), arrays
+
+
+def _cudnn_backward(node, q, k, v, bias, out, stats_pointer, d_out, grads, rng=None) -> None:
+    made, arrays = _backward_plan(node, q, k, v, bias, out, d_out)
+    shapes = {DQ: q.shape, DK: k.shape, DV: v.shape}
     pointers = {uid: array.data.ptr for uid, array in arrays}
     pointers[STATS] = stats_pointer
+    _dropout_pointers(pointers, rng)
     offset = grads.data.ptr
     for uid in (DQ, DK, DV):
         pointers[uid] = offset
         offset += int(np.prod(shapes[uid])) * grads.itemsize
-    dnn.execute(made, pointers, label)
+    dnn.execute(made, pointers, functools.partial(describe, node))
 
 
 def _try_cudnn(node, run) -> bool:
@@ -212,6 +258,13 @@ def _try_cudnn(node, run) -> bool:
         )  # fmt: skip
         return False
     return True
+
+
+def _forward_refused(node) -> bool:
+    """Whether cuDNN refused the configuration of the forward whose packed result the
+    backward ``node`` reads (so FLAME's kernel drew its dropout mask)."""
+    forward = node.inputs[3]
+    return forward.op == "attention" and dnn.configuration(forward) in _REFUSED
 
 
 def _flash():
@@ -257,9 +310,8 @@ def attention(node: Node, arrays: list):
         return packed
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    run = lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed)  # noqa: E731
-    cudnn_takes = (bias is None or cudnn_bias is not None) and not _dropout(node)
-    if cudnn_takes and _try_cudnn(node, run):
+    run = lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed, rng)  # noqa: E731
+    if (bias is None or cudnn_bias is not None) and _try_cudnn(node, run):
         return packed
     _check_flash(node, q, v)
     out, lse = _flash().forward(
@@ -295,8 +347,19 @@ def attention_backward(node: Node, arrays: list):
     stats = packed[count:]
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    cudnn_takes = (bias is None or cudnn_bias is not None) and not _dropout(node)
-    if cudnn_takes and _try_cudnn(
+    cudnn_takes = bias is None or cudnn_bias is not None
+    if rng is not None:  # the forward's path: its mask is drawn again
+        if cudnn_takes and dnn.usable() and not _forward_refused(node):
+            d_out = cupy.ascontiguousarray(d_out)  # the layout the forward built the plan for
+            try:
+                _cudnn_backward(node, q, k, v, cudnn_bias, out, stats.data.ptr, d_out, grads, rng)
+            except dnn.CudnnError as error:
+                raise RuntimeError(
+                    f"{error} (cuDNN drew this attention's dropout mask in the forward, so "
+                    "FLAME's kernel, whose mask differs, cannot compute the backward)"
+                ) from None
+            return grads
+    elif cudnn_takes and _try_cudnn(
         node,
         lambda: _cudnn_backward(node, q, k, v, cudnn_bias, out, stats.data.ptr, d_out, grads),
     ):

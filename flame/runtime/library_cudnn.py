@@ -32,7 +32,8 @@ _PLANS: dict[tuple, Plan] = {}
 _LOADING: threading.Thread | None = None  # start_loading's thread
 
 # cuDNN data types by FLAME dtype name (bfloat16 arrays are uint16 bits in CuPy)
-_TYPE_NAMES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float64": "DOUBLE"}
+_TYPE_NAMES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float64": "DOUBLE",
+               "int64": "INT64"}  # fmt: skip
 
 
 class CudnnError(RuntimeError):
