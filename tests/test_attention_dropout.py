@@ -153,7 +153,8 @@ CASES = [
     Case(1, 2, 2, 7, 40, 64, p=0.1),
     Case(1, 4, 2, 17, 9, 64, causal=True),  # grouped queries
     Case(2, 1, 1, 20, 31, 40, value_dim=72, bias=True, p=0.5),
-    Case(1, 2, 2, 64, 64, 128, causal=True, p=0.2),
+    Case(1, 2, 2, 64, 64, 128, causal=True, p=0.2),  # the flash backward's paired layout
+    Case(1, 2, 1, 24, 40, 160, p=0.25),  # dK, dV in a float32 scratch, one Q/dO buffer
 ]
 
 
@@ -558,7 +559,9 @@ def test_gpu_lazy_equals_compiled_equals_reference(rng, flash_only):
     lazy, compiled, want = run(False, "cuda"), run(True, "cuda"), run(False, "reference")
     for call in range(2):
         for got_lazy, got_compiled, expected in zip(lazy[call], compiled[call], want[call]):
-            np.testing.assert_array_equal(got_lazy, got_compiled)
+            # dQ's float32 atomics make runs differ in the last bits, another mask by O(1)
+            atol = 1e-2 * np.abs(got_lazy).max()
+            np.testing.assert_allclose(got_compiled, got_lazy, rtol=1e-2, atol=atol)
             atol = 4e-2 * np.abs(expected).max()
             np.testing.assert_allclose(got_lazy, expected, rtol=4e-2, atol=atol)
     assert not np.array_equal(lazy[0][1], lazy[1][1])  # a new mask at the second call
