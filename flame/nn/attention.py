@@ -4,13 +4,11 @@ functional core of ``nn.MultiheadAttention``: in-projection, heads, masks, out-p
 with ``need_weights=False`` the heads go through ``scaled_dot_product_attention``, as
 PyTorch's do, and PyTorch's ``is_causal`` hint and error types are kept).
 
-Float16 and bfloat16 attention is one fused op (``attention``, flame/ir/ops/attention.py:
-cuDNN's flash attention, or FLAME's own flash kernel; the [L, S] scores are never stored),
-dropout included: its mask is drawn inside the kernels from FLAME's generator (the default
-one, as PyTorch's), the backward drawing the same mask again. Other calls take the math path
-written with public FLAME ops (matmul, mask, softmax, dropout from FLAME's generator,
-matmul). As PyTorch's, a row whose every key is masked gives zeros (a "safe" softmax), not
-NaN.
+Float16 and bfloat16 attention, dropout included (its mask drawn in the kernels from the
+default generator), is one fused op (``attention``, flame/ir/ops/attention.py: cuDNN's flash
+attention, or FLAME's own flash kernel; the [L, S] scores are never stored); other calls take
+the math path of public FLAME ops (matmul, mask, softmax, dropout, matmul). As PyTorch's, a
+row whose every key is masked gives zeros (a "safe" softmax), not NaN.
 """
 
 from __future__ import annotations
@@ -223,10 +221,9 @@ def _views():
 
 
 def _dropout_state(q: Tensor, k: Tensor) -> Tensor:
-    """The (seed, offset) int64 [2] tensor of one dropout mask, from the default generator as
-    ``F.dropout`` draws (flame/random.py): in lazy mode a buffer made for this draw; inside
-    ``flame.compile`` the generator's state buffer, read at every call, plus this draw's
-    place in the trace."""
+    """The (seed, offset) int64 [2] of one dropout mask from the default generator, drawn as
+    ``F.dropout`` draws (flame/random.py): lazy, a buffer of its own; compiled, the generator's
+    state buffer (read at every call) plus the draw's place in the trace."""
     from flame.ir.ops.attention import dropout_counters
     from flame.random import _generator, _key
 
