@@ -57,7 +57,8 @@ def _mapped_word():
                 # portable (every device) and mapped into the device's address space
                 flags = cupy.cuda.runtime.hostAllocPortable | cupy.cuda.runtime.hostAllocMapped
                 memory = cupy.cuda.PinnedMemory(8, flags)
-                host = np.frombuffer(memory, dtype=np.int64, count=1)
+                view = cupy.cuda.pinned_memory.PinnedMemoryPointer(memory, 0)  # a buffer
+                host = np.frombuffer(view, dtype=np.int64, count=1)
                 host[0] = 0
                 # unified addressing: the device sees the page at the address it has on the host
                 pointer = cupy.cuda.runtime.pointerGetAttributes(memory.ptr).devicePointer

@@ -50,7 +50,7 @@ def split_disk_loads() -> list[dict]:
         started = time.perf_counter()
         values = list(blob)
         listed = time.perf_counter()
-        graph = library_cudnn._new_graph(session, made.key[1].name)
+        graph = library_cudnn._new_graph(session, str(getattr(made.key[1], 'name', made.key[1])))
         fresh = time.perf_counter()
         graph.deserialize(session["handle"], values)
         done = time.perf_counter()
