@@ -188,11 +188,13 @@ def check_source(name: str, index: str) -> str:
     return f"""{REPORT_SOURCE}
 typedef long long offset_t;
 extern "C" __global__ void {name}(const {INDEX_TYPE[index]}* __restrict__ index,
-        {INDEX_TYPE[index]}* __restrict__ out, offset_t total, long long size, long long ignore,
-        unsigned long long* errors, unsigned long long site) {{
+        {INDEX_TYPE[index]}* __restrict__ out, offset_t total, long long size, int has_ignore,
+        long long ignore, unsigned long long* errors, unsigned long long site) {{
     {LOOP}
         const long long value = (long long)index[flat];
-        if ((value < 0 || value >= size) && value != ignore) flame_report(errors, site, value);
+        if ((value < 0 || value >= size) && !(has_ignore && value == ignore)) {{
+            flame_report(errors, site, value);
+        }}
         out[flat] = index[flat];
     }}
 }}

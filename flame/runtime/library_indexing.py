@@ -141,9 +141,9 @@ def run_check(node: Node, index, size: int, ignore=None, dim=None, message=None)
     out = cupy.empty(index.shape, dtype=index.dtype)
     if out.size:
         index = cupy.ascontiguousarray(index)
-        ignore = size if ignore is None else ignore  # ``size`` itself is out of range
         function = kernels.kernel("check", index.dtype.name)
-        arguments = [index, out, np.int64(out.size), np.int64(size), np.int64(ignore)]
+        arguments = [index, out, np.int64(out.size), np.int64(size), np.int32(ignore is not None)]
+        arguments.append(np.int64(0 if ignore is None else ignore))
         kernels.launch(function, out.size, arguments + _reporting(node, size, dim, message))
     return out
 

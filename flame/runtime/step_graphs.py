@@ -52,10 +52,11 @@ def graph_pool_bytes() -> int:
 
 
 # library calls a capture can hold besides ``executor.CAPTURABLE_LIBRARY_OPS``: FLAME's
-# indexing kernels (a class embedding and its backward) and NCCL's collectives
+# indexing kernels (a class embedding and its backward, a loss's target check) and NCCL's
+# collectives
 STEP_LIBRARY_OPS = frozenset(
     {"gather", "index_select", "take_along_dim", "embedding", "index_tensor", "one_hot",
-     "scatter_add", "all_reduce", "broadcast", "all_gather", "reduce_scatter"}
+     "scatter_add", "check_index", "all_reduce", "broadcast", "all_gather", "reduce_scatter"}
 )  # fmt: skip
 
 
