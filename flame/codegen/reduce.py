@@ -35,6 +35,7 @@ from flame.codegen.common import (
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, index_type_for
 from flame.codegen.reduce_loads import RowLoads
+from flame.codegen.reduce_online import OnlineCode, online_pairs
 from flame.codegen.reduce_space import (
     THREAD_BLOCK,
     THREAD_LANES,
@@ -167,6 +168,7 @@ class _ReduceWriter(RowLoads):
         self.out_index: dict[int, int] = {}
         self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
         self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
+        self.online: dict = {}  # id(sum of exp) -> its max taken with it (reduce_online.py)
         self.level = self._levels()
 
     def _levels(self) -> dict[int, int]:
@@ -178,7 +180,9 @@ class _ReduceWriter(RowLoads):
             needs = max([self._level_of(child, level) for child in node.inputs], default=0)
             kind = get_op(node.op).kind
             row_reduce = kind == "reduce" and node.inputs[0].shape == rows
-            level[id(node)] = needs + 1 if row_reduce else needs
+            # an online sum of exp is taken in its max's pass (reduce_online.py)
+            ahead = row_reduce and id(node) not in self.online
+            level[id(node)] = needs + 1 if ahead else needs
         return level
 
     def _level_of(self, node, level) -> int:
@@ -198,6 +202,9 @@ class _ReduceWriter(RowLoads):
         self._outer_math(out_views)
         self.outer_lines.extend(self._scalar_statements(0))
         self._choose_layout()
+        self.online = online_pairs(self)
+        if self.online:
+            self.level = self._levels()
         self.cache_declarations: list[str] = []
         self.cache_load_lines = self._cache_loads() if self.items else []
         depth = max(self.level.values(), default=0)
@@ -352,8 +359,10 @@ class _ReduceWriter(RowLoads):
         init, chunk, lane, finish = [], [], [], []
         values: dict[int, str] = {}
         self._lane_reads(chunk, lane, values, cached=self.items > 0)
-        self._row_statements(lane, [node.inputs[0] for node in reduces], values)
-        accumulators, combines = [], []
+        online = [self.online[id(n)] for n in reduces if id(n) in self.online]
+        inputs = [n.inputs[0] for n in reduces if id(n) not in self.online]
+        self._row_statements(lane, inputs, values)
+        accumulators, combines, codes = [], [], []
         for node in reduces:
             name = f"acc{len(self.scalar_values)}"
             op = get_op(node.op)
@@ -361,15 +370,27 @@ class _ReduceWriter(RowLoads):
             identity = op.cuda["identity"][letter]
             combine_text = combine(node, self.helpers)
             init.append(f"{ctype} {name} = {identity};")
-            value = self._value(node.inputs[0], values)
-            lane.append(f"{name} = {combine_text.format(name, f'({ctype}){value}')};")
-            shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
-            accumulators.append((name, ctype, identity, combine_text.format(name, shuffled)))
-            combines.append(combine_text)
             self.scalar_values[id(node)] = name
+            paired = any(node is pair.peak or node is pair.total for pair in online)
+            shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
+            # an online pair's two accumulators merge together (OnlineCode.shuffle)
+            step = "" if paired else combine_text.format(name, shuffled)
+            accumulators.append((name, ctype, identity, step))
+            combines.append(combine_text)
+            if not paired:
+                value = self._value(node.inputs[0], values)
+                lane.append(f"{name} = {combine_text.format(name, f'({ctype}){value}')};")
+        for pair in online:
+            ctype, _ = accumulator(pair.total)
+            peak, total = self.scalar_values[id(pair.peak)], self.scalar_values[id(pair.total)]
+            code = OnlineCode(self, pair, peak, total, ctype)
+            lane.extend(code.lane(self._value(pair.peak.inputs[0], values)))
+            codes.append(code)
+        finish.extend(line for code in codes for line in code.finish())
         finish.extend(self._scalar_statements(number))
         return {"init": init, "chunk": chunk, "lane": lane, "accumulators": accumulators,
-                "combines": combines, "finish": finish}  # fmt: skip
+                "combines": combines, "finish": finish,
+                "online": tuple(code.shuffle() for code in codes)}  # fmt: skip
 
     def _scalar_statements(self, number) -> list[str]:
         lines = []
@@ -460,6 +481,8 @@ class _ReduceWriter(RowLoads):
             "column_declare": tuple(self.column_lines["declare"]),
             "column_store": tuple(self.column_lines["store"]),
         }
+        if self.online:  # per pass, the online pairs' merge statements (reduce_online.py)
+            extras["online"] = tuple(p["online"] for p in self.passes)
         code = [(a.kind, a.ctype, a.name) for a in self.params]  # sizes are arguments, not code
         text = repr((self.index, self.block, code, extras, self.helpers.sources))
         digest = hashlib.sha256(text.encode()).hexdigest()[:10]
