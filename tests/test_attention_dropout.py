@@ -347,6 +347,21 @@ def test_two_draws_in_one_compiled_call_differ(rng, reference_backend):
     np.testing.assert_array_equal(lazy[1], second)
 
 
+def test_checkpointed_attention_draws_the_same_mask_again(rng, reference_backend):
+    """A checkpoint recomputes the region in the backward with the generator rewound: the
+    recomputed attention draws the forward's mask (gradients equal the plain ones)."""
+    q, k, v, d_out = Case(1, 2, 2, 9, 12, 16).arrays(rng, fl.bfloat16)[:4]
+    results = []
+    for wrap in (lambda f: f, lambda f: lambda *a: fl.checkpoint(f, *a)):
+        fl.manual_seed(8)
+        primals = [fl.tensor(array) for array in (q, k, v)]
+        out, pullback = fl.vjp(wrap(_dropped_attention), *primals)
+        grads = pullback(fl.tensor(d_out))
+        results.append([np.asarray(t.numpy(), np.float64) for t in (out, *grads)])
+    for plain, checkpointed in zip(*results):
+        np.testing.assert_allclose(checkpointed, plain, rtol=1e-6, atol=1e-6)
+
+
 # --- CPU tier: p = 0, p = 1, bad p ------------------------------------------------------------
 
 
