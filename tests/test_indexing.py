@@ -398,7 +398,7 @@ def test_gpu_out_of_range_indices_are_reported_and_never_read_outside(cuda_backe
     np.testing.assert_array_equal(read_refused(summed, "scatter_add", "4"), [0, 3, 0, 0])
     np.testing.assert_array_equal(read_refused(one_hot(fl.tensor([1, 3]), 3), "one_hot", "3"),
                                   [[0, 1, 0], [0, 0, 0]])  # fmt: skip
-    np.testing.assert_array_equal(gather(source, 1, fl.tensor([[3]])).numpy(), [[4], [8], [12]])
+    np.testing.assert_array_equal(gather(source, 1, fl.tensor([[3]] * 3)).numpy(), [[4], [8], [12]])
 
 
 @pytest.mark.gpu
