@@ -546,6 +546,14 @@ def test_gpu_flash_matches_the_reference_mask(case, rng, flash_only):
     assert_matches_dense(case, got, arrays, keep, GPU_TOLERANCE["bfloat16"])
 
 
+@pytest.mark.gpu
+def test_gpu_p_one_gives_zeros(cudnn_enabled, rng, cuda_backend):
+    q, k, v, d_out = identity_inputs(rng, 1, 2, 24, 64, fl.bfloat16)
+    out, *grads, _ = run_sdpa(q, k, v, d_out, dropout_p=1.0)
+    for value in (out, *grads):
+        assert not value.any() and np.isfinite(value).all()
+
+
 def _dropout_step(q, k, v, target):
     def loss(q, k, v):
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)

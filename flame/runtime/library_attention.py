@@ -260,6 +260,12 @@ def _try_cudnn(node, run) -> bool:
     return True
 
 
+def _cudnn_takes(node, bias, cudnn_bias) -> bool:
+    """Whether cuDNN may take the call at all (forward and backward decide alike): a bias it
+    can read, and dropout below 1 (p = 1 would scale by 1 / 0; FLAME's kernel gives 0)."""
+    return (bias is None or cudnn_bias is not None) and _dropout(node) < 1.0
+
+
 def _forward_refused(node) -> bool:
     """Whether cuDNN refused the configuration of the forward whose packed result the
     backward ``node`` reads (so FLAME's kernel drew its dropout mask)."""
@@ -311,7 +317,7 @@ def attention(node: Node, arrays: list):
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
     run = lambda: _cudnn_forward(node, q, k, v, cudnn_bias, packed, rng)  # noqa: E731
-    if (bias is None or cudnn_bias is not None) and _try_cudnn(node, run):
+    if _cudnn_takes(node, bias, cudnn_bias) and _try_cudnn(node, run):
         return packed
     _check_flash(node, q, v)
     out, lse = _flash().forward(
@@ -347,7 +353,7 @@ def attention_backward(node: Node, arrays: list):
     stats = packed[count:]
     scores_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     cudnn_bias = _bias_for_cudnn(bias, scores_shape) if bias is not None else None
-    cudnn_takes = bias is None or cudnn_bias is not None
+    cudnn_takes = _cudnn_takes(node, bias, cudnn_bias)
     if rng is not None:  # the forward's path: its mask is drawn again
         if cudnn_takes and dnn.usable() and not _forward_refused(node):
             d_out = cupy.ascontiguousarray(d_out)  # the layout the forward built the plan for
