@@ -437,22 +437,33 @@ def test_multihead_attention_dropout_reaches_the_op(rng, reference_backend):
 
 # --- CPU tier: the flash kernel's dropout variants --------------------------------------------
 
-VARIANTS = [("bfloat16", 64, 64, False, False), ("bfloat16", 128, 128, True, True),
-            ("float16", 40, 72, False, True), ("bfloat16", 256, 256, True, False),
-            ("float16", 32, 32, True, False), ("bfloat16", 80, 80, False, False)]  # fmt: skip
+# the head-dim pairs of tests/test_flash_attention.py (plain, paired, scratch backward layouts)
+HEAD_DIMS = [(8, 8), (32, 32), (40, 40), (64, 64), (72, 72), (80, 80), (128, 128), (160, 160),
+             (256, 256), (64, 128), (128, 64), (40, 72)]  # fmt: skip
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]  # (causal, bias)
+# to compile: every head-dim pair in bfloat16 with the flags taken in turn, float16 for a few
+VARIANTS = [("bfloat16", *dims, *FLAGS[index % 4]) for index, dims in enumerate(HEAD_DIMS)]
+VARIANTS += [("float16", 40, 72, False, True), ("float16", 128, 128, True, False)]
 
 
-def test_dropout_is_a_template_switch():
+def test_dropout_is_a_template_switch(monkeypatch):
     from flame.runtime import flash_attention as fa
 
+    monkeypatch.delenv(fa.TILES_VARIABLE, raising=False)
+    names = set()
     for part in ("forward", "backward"):
-        for case in VARIANTS:
-            name, plain = fa.render(part, *case)
-            dropout_name, dropped = fa.render(part, *case, True)
-            assert name != dropout_name and dropout_name.endswith("d")
-            assert "flame_philox" not in plain and "keep_threshold" not in plain
-            assert dropped.count("flame_philox(") >= 2 and "keep_scale" in dropped
-            assert fa.render(part, *case, False) == (name, plain)
+        for dtype in ("bfloat16", "float16"):
+            for dims in HEAD_DIMS:
+                for flags in FLAGS:
+                    case = (dtype, *dims, *flags)
+                    name, plain = fa.render(part, *case)
+                    dropout_name, dropped = fa.render(part, *case, True)
+                    assert dropout_name == name + "d" or name.endswith("plain")
+                    assert "flame_philox" not in plain and "keep_threshold" not in plain
+                    assert dropped.count("swap_keep_bits(") >= 2 and "keep_scale" in dropped
+                    assert fa.render(part, *case, False) == (name, plain)
+                    names.add(dropout_name)
+    assert len(names) == len(HEAD_DIMS) * len(FLAGS) * 2  # one name a dropout kernel
 
 
 def test_keep_threshold_is_the_reference_comparison():
