@@ -67,6 +67,10 @@ def row_traffic(lowered) -> dict:
     final_chunk, final_lane = extras["final_chunk"], extras["final_lane"]
     final = [n for n in reads if f"raw_{n}" in "\n".join(final_chunk) and _uses(final_lane, n)]
     cached = [n for n in reads if f"raw_{n}" in "\n".join(extras["cache_loads"])]
+    held = [n for n in reads if f"smem_{n}" in str(extras.get("shared_fill", ""))]
+    cached += held  # loaded into shared memory once; the passes read it there
+    passes = [[n for n in loads if n not in held] for loads in passes]
+    final = [n for n in final if n not in held]
     writes = sum(1 for line in final_lane if re.match(r"(store_\d+\.v\[k\]|out\d+\[)", line))
     units = len(cached) + sum(map(len, passes)) + len(final) + writes
     return {"passes": passes, "final": final, "cached": cached, "writes": writes, "units": units}
@@ -179,6 +183,90 @@ def test_both_sides_of_the_streamed_boundary_compile(name, length, named, dtype,
     for lowered in kernels(*forward, *with_backward(FORWARD[name])(x)):
         cubin = nvrtc_compile(render(lowered.spec), lowered.spec.name, "sm_90")
         assert cubin[:4] == b"\x7fELF", lowered.spec.size_class
+
+
+# --- CPU tier: the shared-memory row cache ---------------------------------------------------
+
+# float16 softmax forward + backward (x and gy held, 2 bytes each); the boundaries of its classes
+HALF = np.float16
+SHARED_SIDES = [
+    (16384, "row cached, <= 8 chunks"),  # x and gy in registers (2 reads x 4 lanes x 8 <= 96)
+    (16388, "row in shared memory (2 of 2 reads)"),  # 9 chunks: no register class fits
+    (28672, "row in shared memory (2 of 2 reads)"),  # 2 x 56 KiB: the budget exactly
+    (28676, "row in shared memory (1 of 2 reads)"),  # x only (read by more passes)
+    (57344, "row in shared memory (1 of 2 reads)"),  # x alone: 112 KiB
+    (57348, "row streamed"),
+]
+
+
+@pytest.fixture
+def shared_rows(monkeypatch):
+    """The shared-memory row cache switched on for this test (its launch needs
+    flame/runtime/launch.py to pass ``Lowered.shared_bytes``)."""
+    from flame.codegen import reduce_shared
+
+    monkeypatch.setattr(reduce_shared, "ENABLED", True)
+    return reduce_shared
+
+
+@pytest.mark.parametrize("length, named", SHARED_SIDES, ids=[str(n) for n, _ in SHARED_SIDES])
+def test_shared_row_class_both_sides(length, named, shared_rows, nvrtc, cuda_backend):
+    """Each side of each boundary gets its class, its launch asks for the held rows' bytes,
+    a held read is loaded from memory once, and NVRTC compiles the kernel."""
+    from flame.runtime.compiler import nvrtc_compile
+
+    x, gy = zeros(ROWS, length, dtype=HALF), zeros(ROWS, length, dtype=HALF)
+    out, pullback = fl.vjp(lambda t: F.softmax(t, -1), x)
+    (lowered,) = row_kernels([out, *pullback(gy)], ROWS * length)
+    assert lowered.spec.size_class.startswith(named), lowered.spec.size_class
+    traffic = row_traffic(lowered)
+    held = int(named.split("(")[1][0]) if "shared" in named else 0
+    row_bytes = -(-length * 2 // 16) * 16
+    assert lowered.shared_bytes == held * row_bytes
+    assert lowered.shared_bytes <= shared_rows.SHARED_ROW_BYTES
+    if held:
+        assert lowered.threads <= shared_rows.SHARED_THREADS
+        assert "in0" in traffic["cached"], traffic  # x: loaded once, read by every pass
+        assert all("in0" not in loads for loads in traffic["passes"]), traffic
+    cubin = nvrtc_compile(render(lowered.spec), lowered.spec.name, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_shared_rows_save_passes(shared_rows, cuda_backend):
+    """With both rows held, softmax fwd+bwd moves 4 row units (x, gy once; y, dx written)."""
+    x, gy = zeros(ROWS, 20000, dtype=HALF), zeros(ROWS, 20000, dtype=HALF)
+    out, pullback = fl.vjp(lambda t: F.softmax(t, -1), x)
+    (lowered,) = row_kernels([out, *pullback(gy)], ROWS * 20000)
+    assert row_traffic(lowered)["units"] == 4, row_traffic(lowered)
+
+
+def test_shared_rows_off_until_the_launch_passes_them(cuda_backend):
+    """Switched off (the default while the launch passes no dynamic shared memory), the
+    same row streams."""
+    from flame.codegen import reduce_shared
+
+    if reduce_shared.ENABLED:
+        pytest.skip("the shared-memory row cache is switched on")
+    x, gy = zeros(ROWS, 20000, dtype=HALF), zeros(ROWS, 20000, dtype=HALF)
+    out, pullback = fl.vjp(lambda t: F.softmax(t, -1), x)
+    (lowered,) = row_kernels([out, *pullback(gy)], ROWS * 20000)
+    assert lowered.spec.size_class.startswith("row streamed") and not lowered.shared_bytes
+
+
+def test_shared_row_class_is_a_sibling(shared_rows, cuda_backend):
+    """A row kernel's siblings (the other classes of its code, compiled in the background for
+    other sizes) include the shared-memory class where a read of its rows fits there."""
+    from flame.codegen.reduce import sibling_specs
+
+    x, gy = zeros(ROWS, 16384, dtype=HALF), zeros(ROWS, 16384, dtype=HALF)
+    out, pullback = fl.vjp(lambda t: F.softmax(t, -1), x)
+    graph = run_pipeline(Graph((out.node, *(t.node for t in pullback(gy)))))
+    (group,) = [g for g in graph.groups if g.kind == "reduce"]
+    lowered = lower_group(group, _layout_of)
+    assert lowered.spec.size_class.startswith("row cached")
+    classes = [spec.size_class for spec in sibling_specs(group, _layout_of, lowered)]
+    assert any(name.startswith("row in shared memory (2 of 2") for name in classes), classes
+    assert any(name.startswith("row streamed") for name in classes), classes
 
 
 # --- CPU tier: the generated online statements, compiled for the host --------------------------
@@ -395,5 +483,24 @@ def test_values_reference(name, dtype):
 @pytest.mark.parametrize("name", list(FORWARD))
 def test_values_gpu(name, dtype, length):
     """Forward and backward on the GPU around every class boundary against float64 NumPy."""
+    with fl.backend("cuda"):
+        check_values(name, dtype, GPU_ROWS, length)
+
+
+SHARED_LENGTHS = (16388, 20011, 28672, 28676, 40000, 57344)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", SHARED_LENGTHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_values_gpu_shared_rows(name, dtype, length, shared_rows):
+    """The shared-memory row classes on the GPU against float64 NumPy (once the launch
+    passes the kernel's dynamic shared memory)."""
+    from flame.records import fields
+    from flame.runtime.launch import Launch
+
+    if "shared_bytes" not in {field.name for field in fields(Launch)}:
+        pytest.skip("flame/runtime/launch.py passes no dynamic shared memory yet")
     with fl.backend("cuda"):
         check_values(name, dtype, GPU_ROWS, length)

@@ -51,6 +51,7 @@ class Lowered(Record, frozen=True):
     grid_items: int = 0  # work items the launch must cover (defaults to numel / vec)
     zeroed: tuple[int, ...] = ()  # outputs set to zero before the launch (atomic sums)
     threads: int = 0  # threads a block (defaults to spec.block, the launch bound)
+    shared_bytes: int = 0  # dynamic shared memory a block needs (a row held there)
 
 
 def collapse(space, stride_sets):

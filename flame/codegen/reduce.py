@@ -22,20 +22,20 @@ from __future__ import annotations
 
 import hashlib
 
+from flame.codegen import reduce_shared
 from flame.codegen.common import (
     Helpers,
     Read,
     buffer_params,
     collect_reads,
-    const_text,
     header,
     kernel_stem,
-    op_expression,
     store,
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, index_type_for
 from flame.codegen.reduce_loads import RowLoads
-from flame.codegen.reduce_online import OnlineCode, online_pairs
+from flame.codegen.reduce_online import online_pairs
+from flame.codegen.reduce_passes import RowPasses
 from flame.codegen.reduce_space import (
     THREAD_BLOCK,
     THREAD_LANES,
@@ -46,9 +46,7 @@ from flame.codegen.reduce_space import (
     cache_class,
 )  # fmt: skip
 from flame.codegen.reduce_strips import (
-    accumulator,
     atomic_outputs,
-    combine,
     rows_strips_totals,
     strip_sum,
 )  # fmt: skip
@@ -56,14 +54,32 @@ from flame.codegen.spec import Arg, KernelSpec
 from flame.ir.graph import Group
 from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
-from flame.ir.views import MOVEMENT_OPS, expand_view, reshape_view
+from flame.ir.views import expand_view, reshape_view
 
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
 
 
 def lower_reduce(group: Group, layout_of, cache_items: int | None = None) -> Lowered:
-    """``cache_items``: lower for that row-cache class (2, 4, 8, 16; 0 streamed) whatever the
-    sizes ask for -- another size class of the same kernel (``sibling_specs``)."""
+    """``cache_items``: lower for that row-cache class (2, 4, 8, 16; 0 streamed; ``SHARED``
+    the shared-memory row cache) whatever the sizes ask for -- another size class of the same
+    kernel (``sibling_specs``). A streamed row whose reads are loaded by several passes holds
+    those that fit in shared memory (``reduce_shared.py``: chosen by counting the passes)."""
+    shared = cache_items == SHARED
+    writer, lowered = _lower(group, layout_of, 0 if shared else cache_items, ())
+    automatic = cache_items is None and reduce_shared.ENABLED  # a forced class stays
+    if not (shared or automatic) or not writer.space.block_mode:
+        return lowered
+    if writer.items or writer.columns or not writer.walkable:
+        return lowered
+    counts = reduce_shared.row_passes(lowered.spec)
+    counts = {name: n for name, n in counts.items() if name in writer.holdable}
+    held = reduce_shared.choose(counts, writer.itemsizes, writer.space.num_inner)
+    if not held:
+        return lowered
+    return _lower(group, layout_of, 0, held)[1]
+
+
+def _lower(group: Group, layout_of, cache_items, held) -> tuple:
     reduces = [node for node in group.nodes if get_op(node.op).kind == "reduce"]
     rows, columns, totals = rows_strips_totals(group, reduces)
     shape, axes = rows[0].inputs[0].shape, rows[0].attr("axes")
@@ -88,10 +104,13 @@ def lower_reduce(group: Group, layout_of, cache_items: int | None = None) -> Low
     }  # fmt: skip
     writer.index = index_type_for(prod(shape), reads)
     writer.forced = cache_items
-    return writer.build(out_views)
+    writer.held = held
+    return writer, writer.build(out_views)
 
 
-ROW_CLASSES = (2, 4, 8, 16, 0)  # the register-cache classes of a row kernel (0: streamed)
+SHARED = -1  # ``cache_items`` asking for the shared-memory row cache (sibling_specs)
+# the row classes of a row kernel: register caches, streamed (0), shared memory (SHARED)
+ROW_CLASSES = (2, 4, 8, 16, 0, SHARED)
 
 
 def sibling_specs(group: Group, layout_of, lowered: Lowered) -> list[KernelSpec]:
@@ -103,12 +122,16 @@ def sibling_specs(group: Group, layout_of, lowered: Lowered) -> list[KernelSpec]
         return []
     specs = []
     for items in ROW_CLASSES:
-        if items == extras["cache_items"]:
+        if items == _row_class(lowered.spec) or (items == SHARED and not reduce_shared.ENABLED):
             continue
         sibling = lower_reduce(group, layout_of, items)
-        if sibling.spec.extras["cache_items"] == items:  # the class fits its registers
+        if _row_class(sibling.spec) == items:  # it fits (its registers, or a held read)
             specs.append(sibling.spec)
     return specs
+
+
+def _row_class(spec) -> int:
+    return SHARED if "shared_fill" in spec.extras else spec.extras["cache_items"]
 
 
 def _same_reads(reads, views):
@@ -148,7 +171,7 @@ def _output_strides(node, shape, kept):
     return tuple(0 if size == 1 else stride for size, stride in zip(kept, strides))
 
 
-class _ReduceWriter(RowLoads):
+class _ReduceWriter(RowLoads, RowPasses):
     def __init__(self, group, space, reads, aliases, shape, kept):
         self.group, self.space, self.reads, self.aliases = group, space, reads, aliases
         self.shape, self.kept = shape, kept
@@ -167,6 +190,7 @@ class _ReduceWriter(RowLoads):
         self.column_shape = None
         self.out_index: dict[int, int] = {}
         self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
+        self.held: tuple = ()  # ``in`` parameters held in shared memory (reduce_shared.py)
         self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
         self.online: dict = {}  # id(sum of exp) -> its max taken with it (reduce_online.py)
         self.level = self._levels()
@@ -207,14 +231,18 @@ class _ReduceWriter(RowLoads):
             self.level = self._levels()
         self.cache_declarations: list[str] = []
         self.cache_load_lines = self._cache_loads() if self.items else []
+        self.shared_fill = self._shared_fill() if self.held else []
         depth = max(self.level.values(), default=0)
         for number in range(1, depth + 1):
             self.passes.append(self._pass(number))
         self.final = self._final_pass(out_views)
         self.params.extend(self.size_args.values())
+        shared = 0
+        if self.held:
+            shared = reduce_shared.shared_bytes(self.held, self.itemsizes, self.space.num_inner)
         return Lowered(self._spec(depth), tuple(r.base for r in buffers), tuple(self.group.outputs),
                        prod(self.shape), self._blocks(), tuple(sorted(self.atomic)),
-                       self.threads)  # fmt: skip
+                       self.threads, shared)  # fmt: skip
 
     def _choose_layout(self) -> None:
         """Lanes per chunk, vector loads, block size and the row cache (see module doc)."""
@@ -232,7 +260,7 @@ class _ReduceWriter(RowLoads):
         # several reduced axes (a group norm's channels x positions): reads that walk the
         # row in order (``flat``) load, vectorize and cache as one axis; the others (a
         # per-channel weight) decompose each chunk's index
-        walkable = self._walkable()
+        walkable = self.walkable = self._walkable()
         # a vector's lanes share every reduced axis but the last
         vector_fits = walkable and space.inner_sizes[-1] % VECTOR_LANES == 0
         if walkable and vector_fits and space.num_inner % VECTOR_LANES == 0:
@@ -249,6 +277,8 @@ class _ReduceWriter(RowLoads):
             and any(self.space.outer_strides[position]) and self._cacheable(position)
         ]  # fmt: skip
         self.cached_reads = {id(r) for r in row_reads}
+        self.holdable = {r.param for r in row_reads}  # what the shared row cache may hold
+        self.itemsizes = {r.param: r.base.dtype.itemsize for r in self.reads}
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
         cached = cache_class(items) if self.forced is None else self.forced
@@ -259,6 +289,8 @@ class _ReduceWriter(RowLoads):
         self.loop_items = cache_class(items, limit=None) if self.columns else self.items
         # __launch_bounds__: the most threads any row of the class launches with
         self.block = 512 if self.items or self.columns else 1024
+        if self.held:  # two blocks an SM share its shared memory (reduce_shared.py)
+            self.block = self.threads = min(self.threads, reduce_shared.SHARED_THREADS)
 
     def _flat(self, position: int) -> bool:
         """Operand ``position`` walks the reduced axes in order, as one contiguous axis."""
@@ -321,91 +353,6 @@ class _ReduceWriter(RowLoads):
         if self.space.block_mode:
             return self.space.num_outer
         return -(-self.space.num_outer // 32)
-
-    # --- passes ---------------------------------------------------------------------------
-    def _row_statements(self, lines, targets, values):
-        """Statements computing the row values ``targets`` need, inputs first."""
-        needed: set[int] = set()
-        stack = list(targets)
-        while stack:
-            node = stack.pop()
-            node = self.aliases.get(id(node), node)
-            if id(node) in needed or id(node) not in self.members or not self._is_row(node):
-                continue
-            needed.add(id(node))
-            stack.extend(node.inputs)
-        for node in self.group.nodes:
-            if id(node) in needed and get_op(node.op).kind == "elementwise":
-                name = f"t{len(values)}"
-                arguments = [self._value(child, values) for child in node.inputs]
-                lines.append(f"const {node.dtype.c_compute} {name} = "
-                             f"{op_expression(node, arguments, self.helpers)};")  # fmt: skip
-                values[id(node)] = name
-
-    def _value(self, node, values) -> str:
-        node = self.aliases.get(id(node), node)
-        if node.op == "const":
-            return const_text(node, self.size_args)
-        if id(node) in values:
-            return values[id(node)]
-        return self.scalar_values[id(node)]
-
-    def _pass(self, number) -> dict:
-        reduces = [
-            n for n in self.group.nodes
-            if get_op(n.op).kind == "reduce" and self.level[id(n)] == number
-            and id(n) not in self.column_ids
-        ]  # fmt: skip
-        init, chunk, lane, finish = [], [], [], []
-        values: dict[int, str] = {}
-        self._lane_reads(chunk, lane, values, cached=self.items > 0)
-        online = [self.online[id(n)] for n in reduces if id(n) in self.online]
-        inputs = [n.inputs[0] for n in reduces if id(n) not in self.online]
-        self._row_statements(lane, inputs, values)
-        accumulators, combines, codes = [], [], []
-        for node in reduces:
-            name = f"acc{len(self.scalar_values)}"
-            op = get_op(node.op)
-            ctype, letter = accumulator(node)
-            identity = op.cuda["identity"][letter]
-            combine_text = combine(node, self.helpers)
-            init.append(f"{ctype} {name} = {identity};")
-            self.scalar_values[id(node)] = name
-            paired = any(node is pair.peak or node is pair.total for pair in online)
-            shuffled = f"__shfl_xor_sync(0xffffffffu, {name}, shift)"
-            # an online pair's two accumulators merge together (OnlineCode.shuffle)
-            step = "" if paired else combine_text.format(name, shuffled)
-            accumulators.append((name, ctype, identity, step))
-            combines.append(combine_text)
-            if not paired:
-                value = self._value(node.inputs[0], values)
-                lane.append(f"{name} = {combine_text.format(name, f'({ctype}){value}')};")
-        for pair in online:
-            ctype, _ = accumulator(pair.total)
-            peak, total = self.scalar_values[id(pair.peak)], self.scalar_values[id(pair.total)]
-            code = OnlineCode(self, pair, peak, total, ctype)
-            lane.extend(code.lane(self._value(pair.peak.inputs[0], values)))
-            codes.append(code)
-        finish.extend(line for code in codes for line in code.finish())
-        finish.extend(self._scalar_statements(number))
-        return {"init": init, "chunk": chunk, "lane": lane, "accumulators": accumulators,
-                "combines": combines, "finish": finish,
-                "online": tuple(code.shuffle() for code in codes)}  # fmt: skip
-
-    def _scalar_statements(self, number) -> list[str]:
-        lines = []
-        for node in self.group.nodes:
-            if id(node) in self.scalar_values or node.op in MOVEMENT_OPS or node.op == "const":
-                continue
-            kind = get_op(node.op).kind
-            if self._is_row(node) or kind in ("reduce", "leaf") or self.level[id(node)] != number:
-                continue
-            name = f"s{len(self.scalar_values)}"
-            arguments = [self._value(child, {}) for child in node.inputs]
-            lines.append(f"const {node.dtype.c_compute} {name} = "
-                         f"{op_expression(node, arguments, self.helpers)};")  # fmt: skip
-            self.scalar_values[id(node)] = name
-        return lines
 
     def _final_pass(self, out_views) -> dict:
         rows = [o for o in self.group.outputs if o.shape == self.shape]
@@ -481,6 +428,11 @@ class _ReduceWriter(RowLoads):
             "column_declare": tuple(self.column_lines["declare"]),
             "column_store": tuple(self.column_lines["store"]),
         }
+        if self.held:  # the shared-memory row cache (reduce_shared.py)
+            storages = {r.param: r.base.dtype.c_storage for r in self.reads}
+            extras["shared"] = tuple(reduce_shared.pointers(self.held, storages, self.itemsizes))
+            extras["shared_fill"] = tuple(self.shared_fill)
+            extras["min_blocks"] = 2
         if self.online:  # per pass, the online pairs' merge statements (reduce_online.py)
             extras["online"] = tuple(p["online"] for p in self.passes)
         code = [(a.kind, a.ctype, a.name) for a in self.params]  # sizes are arguments, not code
@@ -501,6 +453,8 @@ class _ReduceWriter(RowLoads):
             row = f"strips of <= {self.loop_items} chunks a thread"
         elif self.items:
             row = f"row cached, <= {self.items} chunks a thread"
+        elif self.held:
+            row = f"row in shared memory ({len(self.held)} of {len(self.holdable)} reads)"
         else:
             row = "row streamed"
         axes = f"{len(self.space.outer_sizes)}+{len(self.space.inner_sizes)} axes"  # kept+reduced

@@ -115,8 +115,10 @@ class RowLoads:
             return f"raw_{read.param}.v[k]"
         return f"raw_{read.param}[k]"
 
-    def _chunk_load(self, read: Read, position) -> list[str]:
+    def _chunk_load(self, read: Read, position, filling: bool = False) -> list[str]:
         storage = read.base.dtype.c_storage
+        if read.param in self.held and not filling:  # from the shared-memory row cache
+            return self._shared_load(read)
         if self.vector_reads.get(id(read)):
             vector = f"FlameVec<{storage}, {self.lanes}>"
             pointer = (
@@ -173,4 +175,39 @@ class RowLoads:
             self.cache_declarations.append(
                 f"{read.top.dtype.c_compute} cache_{read.param}[{self.items}][{self.lanes}];"
             )
+        return lines
+
+    # --- the shared-memory row cache (reduce_shared.py) ------------------------------------
+    def _shared_load(self, read: Read) -> list[str]:
+        storage = read.base.dtype.c_storage
+        if self.vector_reads.get(id(read)):
+            vector = f"FlameVec<{storage}, {self.lanes}>"
+            pointer = f"reinterpret_cast<const {vector}*>(smem_{read.param} + chunk)"
+            return [f"const {vector} raw_{read.param} = *{pointer};"]
+        return [
+            f"{storage} raw_{read.param}[{self.lanes}];",
+            "#pragma unroll",
+            f"for (int j = 0; j < {self.lanes}; ++j) raw_{read.param}[j] = "
+            f"chunk + j < num_inner ? smem_{read.param}[chunk + j] : ({storage})0;",
+        ]
+
+    def _shared_fill(self) -> list[str]:
+        """One chunk of each held read: loaded from global memory, stored where the same
+        thread reads it back in every pass."""
+        lines = []
+        for position, read in enumerate(self.reads):
+            if read.param not in self.held:
+                continue
+            lines.extend(self._chunk_load(read, position, filling=True))
+            storage = read.base.dtype.c_storage
+            if self.vector_reads.get(id(read)):
+                vector = f"FlameVec<{storage}, {self.lanes}>"
+                target = f"reinterpret_cast<{vector}*>(smem_{read.param} + chunk)"
+                lines.append(f"*{target} = raw_{read.param};")
+                continue
+            lines += [
+                "#pragma unroll",
+                f"for (int j = 0; j < {self.lanes}; ++j) "
+                f"if (chunk + j < num_inner) smem_{read.param}[chunk + j] = raw_{read.param}[j];",
+            ]
         return lines
