@@ -128,13 +128,18 @@ class OnlineCode:
         return f"(({total}) == ({self.ctype})0 || ({old}) == ({new}) ? ({total}) : ({total}) * {factor})"  # noqa: E501
 
     def lane(self, value: str) -> list[str]:
-        """One element ``value`` of the row folded into the running max and sum."""
-        new = f"online_{self.peak}"
-        element = self._exp(f"({self.ctype}){value} - flame_online_shift({new})")
+        """One element ``value`` of the row folded into the running max and sum: one exp an
+        element; the rescale (a second exp) only where the max grows, a branch rarely taken
+        once the running max has settled."""
+        peak, total, ctype = self.peak, self.total, self.ctype
+        new = f"online_{peak}"
+        element = self._exp(f"({ctype}){value} - flame_online_shift({new})")
+        factor = self._exp(f"flame_online_shift({peak}) - flame_online_shift({new})")
         return [
-            f"const {self.ctype} {new} = {self.maximum.format(self.peak, f'({self.ctype}){value}')};",  # noqa: E501
-            f"{self.total} = {self._rescaled(self.total, self.peak, new)} + {element};",
-            f"{self.peak} = {new};",
+            f"const {ctype} {new} = {self.maximum.format(peak, f'({ctype}){value}')};",
+            f"if ({peak} != {new} && {total} != ({ctype})0) {total} = {total} * {factor};",
+            f"{total} = {total} + {element};",
+            f"{peak} = {new};",
         ]
 
     def merge(self, other_peak: str, other_total: str) -> str:
