@@ -306,14 +306,16 @@ def_op(
     attrs={"dtype": None},
 )  # fmt: skip
 
-# identities that matter to autograd only: ``detach`` stops gradients; ``barrier`` keeps a
-# recomputation (checkpoint) apart from the forward values it repeats (its token differs).
+# identities that matter to autograd only: ``detach`` stops gradients; ``barrier(x, after)``
+# keeps a recomputation (checkpoint) apart from the forward values it repeats (its token
+# differs) and, reading ``after`` (a broadcast element of the incoming gradient) without using
+# it, keeps it from being scheduled before the backward needs it.
 def_op(
     "detach", "elementwise", 1, ref=lambda x: x,
     cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, differentiable=False, internal=True,
 )  # fmt: skip
 def_op(
-    "barrier", "elementwise", 1, ref=lambda x, token=None: x,
+    "barrier", "elementwise", 2, ref=lambda x, after, token=None: x,
     cuda={"f": "{0}", "i": "{0}", "b": "{0}"}, attrs={"token": None}, internal=True,
 )  # fmt: skip
 def_op(
@@ -412,7 +414,7 @@ for _name, _rule in {
     "cast": lambda F, g, out, x, dtype=None: (
         (g.to(x.dtype),) if x.dtype.is_float and out.dtype.is_float else (None,)
     ),
-    "barrier": lambda F, g, out, x, token=None: (g,),
+    "barrier": lambda F, g, out, x, after, token=None: (g, None),
 }.items():
     def_vjp(_name, _rule)
 
