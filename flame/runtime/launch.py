@@ -15,6 +15,7 @@ import functools
 import math
 import operator
 import struct
+import threading
 
 import numpy as np
 
@@ -40,6 +41,7 @@ class Launch(Record, frozen=True):
     writes: tuple[tuple[int, int], ...]  # (slot, output position) for outputs it allocates
     shapes: tuple  # per written slot: (shape, dtype)
     zeroed: tuple[tuple[int, int], ...] = ()  # (slot, bytes) set to 0 first (atomic sums)
+    shared_bytes: int = 0  # dynamic shared memory a block needs (a row held there)
 
     def __post_init__(self):
         # Prepared for the replay loop: (slot, shape, dtype) per output, and the kernel's
@@ -59,6 +61,8 @@ class Launch(Record, frozen=True):
         setter(self, "_packer", packer)
         setter(self, "_fill", make_filler(*values))
         setter(self, "_blocks", [self._new_block()])
+        if self.shared_bytes > DEFAULT_SHARED_LIMIT and self.function is not None:
+            allow_shared(self.function, self.shared_bytes)
 
     def launch_source(self, slot_names: dict) -> tuple[list[str], dict] | None:
         """``launch_into`` as lines of a generated function's body, and the names they use:
@@ -75,7 +79,8 @@ class Launch(Record, frozen=True):
             "        block = the_launch._new_block()",
             "    try:",
             f"        launch_pack(block[0], 0, {_param_list(codes, values, slot_names.get)})",
-            "        launch_kernel(launch_function, launch_grid, 1, 1, launch_threads, 1, 1, 0,",
+            "        launch_kernel(launch_function, launch_grid, 1, 1, launch_threads, 1, 1,",
+            "                      launch_shared,",
             "                      stream, 0, block[1])",
             "    except Exception as error:",
             "        the_launch.relaunch(error, stream, block[1])",
@@ -88,7 +93,7 @@ class Launch(Record, frozen=True):
             "the_launch": self, "launch_blocks": self._blocks,
             "launch_pack": self._packer.pack_into, "launch_kernel": launchKernel,
             "launch_function": self.function.ptr, "launch_grid": self.grid,
-            "launch_threads": self.block,
+            "launch_threads": self.block, "launch_shared": self.shared_bytes,
         }  # fmt: skip
         return lines, names
 
@@ -124,7 +129,9 @@ class Launch(Record, frozen=True):
             for node in (lowered.outputs[position] for position in lowered.zeroed)
         )  # fmt: skip
         threads = lowered.threads or spec.block  # at most spec.block (__launch_bounds__)
-        return cls(spec, function, blocks, threads, tuple(arguments), writes, shapes, zeroed)
+        shared = getattr(lowered, "shared_bytes", 0)
+        return cls(spec, function, blocks, threads, tuple(arguments), writes, shapes, zeroed,
+                   shared)  # fmt: skip
 
     def _new_block(self) -> tuple:
         """(the parameter buffer, the address of the ``extra`` array pointing at it, what
@@ -165,9 +172,8 @@ class Launch(Record, frozen=True):
             block = self._new_block()
         try:
             self._fill(block[0], slots)
-            _launch_kernel(
-                self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, 0, block[1]
-            )
+            _launch_kernel(self.function.ptr, self.grid, 1, 1, self.block, 1, 1,
+                           self.shared_bytes, stream, 0, block[1])  # fmt: skip
         except Exception as error:
             self.relaunch(error, stream, block[1])
         finally:  # the driver has copied the parameters: the buffer is free again
@@ -181,7 +187,27 @@ class Launch(Record, frozen=True):
         if getattr(error, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
             raise error
         _cupy().cuda.runtime.free(0)
-        _launch_kernel(self.function.ptr, self.grid, 1, 1, self.block, 1, 1, 0, stream, 0, extra)
+        _launch_kernel(self.function.ptr, self.grid, 1, 1, self.block, 1, 1, self.shared_bytes,
+                       stream, 0, extra)  # fmt: skip
+
+
+DEFAULT_SHARED_LIMIT = 48 * 1024  # above it a function must ask for dynamic shared memory
+
+
+def allow_shared(function, size: int) -> None:
+    """Let ``function`` launch with ``size`` bytes of dynamic shared memory (the attribute
+    is the function's: the largest size asked for so far stays)."""
+    from cupy_backends.cuda.api import driver
+
+    attribute = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    with _shared_lock:
+        if _shared_allowed.get(function.ptr, 0) < size:
+            driver.funcSetAttribute(function.ptr, attribute, size)
+            _shared_allowed[function.ptr] = size
+
+
+_shared_allowed: dict[int, int] = {}
+_shared_lock = threading.Lock()
 
 
 def param_codes(args) -> str:

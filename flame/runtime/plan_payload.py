@@ -121,7 +121,7 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
         else:
             launches.append((
                 "kernel", specs.index(step.spec), step.grid, step.block, step.args,
-                step.writes, step.shapes, step.zeroed,
+                step.writes, step.shapes, step.zeroed, step.shared_bytes,
             ))  # fmt: skip
     if remat is not None:
         saved = tuple((index[id(node)], *rest) for node, *rest in remat.saved)
@@ -245,10 +245,10 @@ def decode(payload: dict, load_functions, start: float):
             _, node, call_inputs, output, views = entry
             launches.append(LibraryCall(nodes[node], call_inputs, output, views))
         else:
-            _, spec, grid, block, args, writes, shapes, zeroed = entry
+            _, spec, grid, block, args, writes, shapes, zeroed, shared = entry
             function = functions[code_of[spec]]
             launches.append(
-                Launch(specs[spec], function, grid, block, args, writes, shapes, zeroed)
+                Launch(specs[spec], function, grid, block, args, writes, shapes, zeroed, shared)
             )
     slot_count, output_slots, releases, peak = payload["slots"]
     if len(releases) != len(launches) or len(groups) != len(launches):
