@@ -612,7 +612,8 @@ def test_channels_last_choice_gives_the_same_values(case, rng, reference_backend
 
 def test_channels_last_ops_match_the_channels_first_references(rng):
     """The three ops' references with ``channels_last=True`` are the channels-first ones with
-    the input, result and gradient axes moved (stride 2, padding, groups)."""
+    the channel axis of the input, result, gradient, weight and weight gradient moved last
+    (stride 2, padding, groups)."""
     from flame.ir.ops import conv
 
     x = rng.standard_normal((2, 4, 7, 6))
@@ -620,14 +621,15 @@ def test_channels_last_ops_match_the_channels_first_references(rng):
     attrs = {"stride": (2, 1), "padding": ((1, 1), (0, 2)), "dilation": (1, 2), "groups": 2}
     last = lambda array: np.moveaxis(array, 1, -1)  # noqa: E731
     y = conv._conv_ref(x, w, **attrs)
-    np.testing.assert_allclose(conv._conv_ref(last(x), w, channels_last=True, **attrs), last(y))
+    got = conv._conv_ref(last(x), last(w), channels_last=True, **attrs)
+    np.testing.assert_allclose(got, last(y))
     g = rng.standard_normal(y.shape)
     dx = conv._data_grad_ref(g, w, input_size=(7, 6), **attrs)
-    got = conv._data_grad_ref(last(g), w, input_size=(7, 6), channels_last=True, **attrs)
+    got = conv._data_grad_ref(last(g), last(w), input_size=(7, 6), channels_last=True, **attrs)
     np.testing.assert_allclose(got, last(dx))
     dw = conv._weight_grad_ref(x, g, kernel_size=(3, 3), **attrs)
     got = conv._weight_grad_ref(last(x), last(g), kernel_size=(3, 3), channels_last=True, **attrs)
-    np.testing.assert_allclose(got, dw)
+    np.testing.assert_allclose(got, last(dw))
 
 
 @pytest.mark.parametrize("dtype", [fl.float32, fl.bfloat16])

@@ -155,7 +155,8 @@ def _channels_last(x: Tensor) -> bool:
 
 def _to_channels_last(x: Tensor) -> Tensor:
     """x [N, C, H, W] as a channels-last value [N, H, W, C] with memory of its own: the
-    kernel computing x writes it in that order (the permute folds into its index map)."""
+    kernel computing x writes it in that order (the permute folds into its index map). A
+    weight [O, C, kH, kW] becomes the filter [O, kH, kW, C] the same way."""
     return permute(x, (0, 2, 3, 1)).clone()
 
 
@@ -177,7 +178,9 @@ def _conv(op: str, x: Tensor, weight: Tensor, bias, stride, pairs, dilation, gro
         result = matmul(reshape(weight, (weight.shape[0], channels)), columns)
         result = reshape(result, (batch, weight.shape[0], *x.shape[2:]))
     elif _channels_last(x):
-        result = apply_op("conv", _to_channels_last(x), weight, channels_last=True, **attrs)
+        result = apply_op(
+            "conv", _to_channels_last(x), _to_channels_last(weight), channels_last=True, **attrs
+        )
         result = permute(result, (0, 3, 1, 2))
     else:
         result = apply_op("conv", x, weight, **attrs)
@@ -338,8 +341,9 @@ def _conv_transpose(x, weight, bias, stride, padding, output_padding, groups, di
     }  # fmt: skip
     if _channels_last(x):
         result = apply_op(
-            "conv_data_grad", _to_channels_last(x), weight, channels_last=True, **attrs
-        )
+            "conv_data_grad", _to_channels_last(x), _to_channels_last(weight),
+            channels_last=True, **attrs,
+        )  # fmt: skip
         result = permute(result, (0, 3, 1, 2))
     else:
         result = apply_op("conv_data_grad", x, weight, **attrs)

@@ -157,8 +157,8 @@ def _result(node: Node, computed):
 
 def _convolution(node: Node, arrays: list, kind: str, fallback):
     """One of the three ops: ``kind`` fprop (x, w), dgrad (dy, w) or wgrad (x, dy), through
-    cuDNN or ``fallback(node, first, second)``; channels-last operands are handed on as
-    channels-first views (the weight and the weight gradient keep their one layout)."""
+    cuDNN or ``fallback(node, first, second)``; channels-last operands (weights and weight
+    gradients [O, *K, C] there) are handed on as channels-first views."""
     first, second = (_readable(array, node.dtype.name) for array in arrays)
     out = _empty(node)
     if out.size == 0:
@@ -167,11 +167,8 @@ def _convolution(node: Node, arrays: list, kind: str, fallback):
         out.fill(0)
         return out
     last = _last(node)
-    first = _channels_first(first, last)
-    if kind == "wgrad":
-        second, view = _channels_first(second, last), out
-    else:
-        view = _channels_first(out, last)
+    first, second = _channels_first(first, last), _channels_first(second, last)
+    view = _channels_first(out, last)
     if _use_cudnn(node) and dnn.configuration(node) not in _REFUSED:
         try:
             _run_cudnn(node, kind, first, second, view)
@@ -181,8 +178,7 @@ def _convolution(node: Node, arrays: list, kind: str, fallback):
                 raise
             _REFUSED.add(dnn.configuration(node))
             warnings.warn(f"{error}; the im2col fallback runs it instead", stacklevel=2)
-    computed = fallback(node, first, second)
-    return computed if kind == "wgrad" else _result(node, computed)
+    return _result(node, fallback(node, first, second))
 
 
 @implements("conv")
@@ -272,8 +268,9 @@ def _fallback_weight_grad(node: Node, x, g):
     dtype = node.dtype.name
     attrs = _attrs(node)
     x, g = _widened(x, dtype), _widened(g, dtype)
+    shape = channels_first_shape(node.shape, _last(node))  # [O, C/g, *K]
     groups, sizes = attrs["groups"], g.shape[2:]
-    columns = _columns(x, node.shape[2:], attrs, sizes)  # [N, g, C/g * taps, R]
+    columns = _columns(x, shape[2:], attrs, sizes)  # [N, g, C/g * taps, R]
     grads = g.reshape(g.shape[0], groups, g.shape[1] // groups, -1)
     result = cupy.einsum("ngor,ngkr->gok", grads, columns)
-    return _narrowed(result.reshape(node.shape), dtype)
+    return _narrowed(result.reshape(shape), dtype)

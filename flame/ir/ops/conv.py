@@ -20,11 +20,12 @@ A transposed convolution is ``conv_data_grad`` of its input (the gradient relati
 it needs no op of its own.
 
 ``channels_last=True``: the input, the result and the incoming gradient are laid out
-[N, *spatial, C] instead (the weight keeps [O, C/groups, *K]). The front end chooses it for
-16-bit 2-d convolutions (flame/nn/convolution.py): cuDNN's Hopper kernels compute in that
-layout, so an NCHW tensor costs a transpose each way per call, while a channels-last one is
-written in that order by the FLAME kernel that computes it (a permute folds into its index
-map) and read through a permuted view by the kernels after it.
+[N, *spatial, C] instead, and the weight and the weight gradient [O, *K, C/groups]. The front
+end chooses it for 16-bit 2-d convolutions (flame/nn/convolution.py): cuDNN's Hopper kernels
+compute in that layout, so an NCHW tensor (or a [O, C, *K] filter) costs a transpose per call
+inside cuDNN, while a channels-last one is written in that order by the FLAME kernel that
+computes it (a permute folds into its index map: the weight's autocast cast writes the
+filter [O, *K, C]) and read through a permuted view by the kernels after it.
 
 The references sum over the kernel taps directly, in float64, whatever the dtype (the oracle
 of the tests). On the GPU the ops run through cuDNN's graph API, or a CuPy fallback where
@@ -133,20 +134,23 @@ def _result_sizes(op: str, sizes, kernel, attrs, shown: str) -> tuple[int, ...]:
 
 def _conv_rule(inputs, attrs):
     last = attrs.get("channels_last", False)
-    dtype, shape = _conv_rule_first((_Logical(inputs[0], last), inputs[1]), attrs)
+    logical = (_Logical(inputs[0], last), _Logical(inputs[1], last))
+    dtype, shape = _conv_rule_first(logical, attrs)
     return dtype, channels_last_shape(shape, last)
 
 
 def _data_grad_rule(inputs, attrs):
     last = attrs.get("channels_last", False)
-    dtype, shape = _data_grad_rule_first((_Logical(inputs[0], last), inputs[1]), attrs)
+    logical = (_Logical(inputs[0], last), _Logical(inputs[1], last))
+    dtype, shape = _data_grad_rule_first(logical, attrs)
     return dtype, channels_last_shape(shape, last)
 
 
 def _weight_grad_rule(inputs, attrs):
     last = attrs.get("channels_last", False)
     logical = (_Logical(inputs[0], last), _Logical(inputs[1], last))
-    return _weight_grad_rule_first(logical, attrs)
+    dtype, shape = _weight_grad_rule_first(logical, attrs)
+    return dtype, channels_last_shape(shape, last)
 
 
 def _conv_rule_first(inputs, attrs):
@@ -245,7 +249,7 @@ def _last(array, channels_last: bool):
 
 
 def _conv_ref(x, w, stride=(), padding=(), dilation=(), groups=1, channels_last=False):
-    x, w = _first(x, channels_last), np.asarray(w, np.float64)
+    x, w = _first(x, channels_last), _first(w, channels_last)
     kernel = w.shape[2:]
     sizes = output_sizes(x.shape[2:], kernel, stride, padding, dilation)
     padded = _grouped(np.pad(x, [(0, 0), (0, 0), *padding]), groups)
@@ -260,7 +264,7 @@ def _conv_ref(x, w, stride=(), padding=(), dilation=(), groups=1, channels_last=
 def _data_grad_ref(
     g, w, stride=(), padding=(), dilation=(), groups=1, input_size=(), channels_last=False
 ):
-    g, w = _first(g, channels_last), np.asarray(w, np.float64)
+    g, w = _first(g, channels_last), _first(w, channels_last)
     kernel, sizes = w.shape[2:], g.shape[2:]
     padded_size = [size + before + after for size, (before, after) in zip(input_size, padding)]
     grads = _grouped(g, groups)
@@ -286,7 +290,8 @@ def _weight_grad_ref(
         patch = padded[(slice(None),) * 3 + _tap_slices(tap, stride, dilation, sizes)]
         flat = patch.reshape(*patch.shape[:3], -1)
         result[(Ellipsis, *tap)] = np.einsum("ngcr,ngor->goc", flat, flat_grads)
-    return result.reshape(g.shape[1], x.shape[1] // groups, *kernel_size)
+    result = result.reshape(g.shape[1], x.shape[1] // groups, *kernel_size)
+    return _last(result, channels_last)
 
 
 def_op(
@@ -336,7 +341,7 @@ def _conv_vjp(F, g, out, x, w, **attrs):
     common = _common(attrs)
     g = _dense(F, g, attrs)
     data = _build("conv_data_grad", g, w, input_size=_spatial(x, attrs), **common)
-    weight = _build("conv_weight_grad", x, g, kernel_size=tuple(w.shape[2:]), **common)
+    weight = _build("conv_weight_grad", x, g, kernel_size=_spatial(w, attrs), **common)
     return data, weight
 
 
@@ -345,7 +350,7 @@ def _data_grad_vjp(F, c, out, g, w, **attrs):
     c = _dense(F, c, attrs)
     return (
         _build("conv", c, w, **common),
-        _build("conv_weight_grad", c, g, kernel_size=tuple(w.shape[2:]), **common),
+        _build("conv_weight_grad", c, g, kernel_size=_spatial(w, attrs), **common),
     )
 
 
