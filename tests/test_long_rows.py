@@ -126,6 +126,15 @@ def test_streamed_forward_reads_the_row_once_for_max_and_sum(name, cuda_backend)
     assert traffic["units"] == (3 if writes_rows else 1), traffic
 
 
+def test_online_switch_off_gives_two_passes(monkeypatch, cuda_backend):
+    """``reduce_online.ENABLED = False`` (the probe's --two-pass A/B) lowers the old form."""
+    from flame.codegen import reduce_online
+
+    monkeypatch.setattr(reduce_online, "ENABLED", False)
+    (lowered,) = row_kernels(logsumexp_forward(zeros(ROWS, STREAMED_FIRST)), ROWS * 32772)
+    assert "online" not in lowered.spec.extras and row_traffic(lowered)["units"] == 2
+
+
 @pytest.mark.parametrize("name", list(FORWARD))
 def test_cached_forward_keeps_two_passes(name, cuda_backend):
     """Where the row sits in registers a second pass costs no memory: the exact two-pass
@@ -505,3 +514,44 @@ def test_values_gpu_shared_rows(name, dtype, length, shared_rows):
         pytest.skip("flame/runtime/launch.py passes no dynamic shared memory yet")
     with fl.backend("cuda"):
         check_values(name, dtype, GPU_ROWS, length)
+
+
+# --- 16-byte vectors of 2-byte rows (reduce.WIDE_HALF_VECTORS, an A/B switch) -----------------
+
+
+@pytest.fixture
+def wide_half(monkeypatch):
+    from flame.codegen import reduce
+
+    monkeypatch.setattr(reduce, "WIDE_HALF_VECTORS", True)
+
+
+WIDE_SIDES = [
+    (np.float16, 65536, "8 lanes"),
+    (np.float16, 32772, "4 lanes"),  # a multiple of 4, not of 8
+    (np.float16, 32771, "1 lanes"),
+    (np.float32, 65536, "4 lanes"),  # 16 bytes are 4 float32 lanes already
+]
+
+
+@pytest.mark.parametrize("dtype, length, lanes", WIDE_SIDES, ids=lambda v: str(v))
+def test_wide_half_vectors(dtype, length, lanes, wide_half, nvrtc, cuda_backend):
+    """Switched on, a 2-byte row takes 8 lanes where its length allows, else 4, else 1;
+    float32 keeps 4; each kernel compiles."""
+    from flame.runtime.compiler import nvrtc_compile
+
+    x, gy = zeros(ROWS, length, dtype=dtype), zeros(ROWS, length, dtype=dtype)
+    out, pullback = fl.vjp(lambda t: F.softmax(t, -1), x)
+    (lowered,) = row_kernels([out, *pullback(gy)], ROWS * length)
+    assert f", {lanes}," in lowered.spec.size_class, lowered.spec.size_class
+    cubin = nvrtc_compile(render(lowered.spec), lowered.spec.name, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", (16384, 32768, 32776, 65536, 262144))
+@pytest.mark.parametrize("name", list(FORWARD))
+def test_values_gpu_wide_half(name, length, wide_half):
+    """bfloat16 rows in 16-byte vectors on the GPU against float64 NumPy."""
+    with fl.backend("cuda"):
+        check_values(name, "bfloat16", GPU_ROWS, length)

@@ -57,6 +57,9 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import expand_view, reshape_view
 
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
+# 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones: off until measured (an
+# A/B for notes/probes/long_rows_bench.py --wide-half; notes/long-rows.md)
+WIDE_HALF_VECTORS = False
 
 
 def lower_reduce(group: Group, layout_of, cache_items: int | None = None) -> Lowered:
@@ -262,10 +265,12 @@ class _ReduceWriter(RowLoads, RowPasses):
         # per-channel weight) decompose each chunk's index
         walkable = self.walkable = self._walkable()
         # a vector's lanes share every reduced axis but the last
-        vector_fits = walkable and space.inner_sizes[-1] % VECTOR_LANES == 0
-        if walkable and vector_fits and space.num_inner % VECTOR_LANES == 0:
-            if self._vectorizable():
-                self.lanes = VECTOR_LANES
+        for lanes in self._vector_choices():
+            vector_fits = walkable and space.inner_sizes[-1] % lanes == 0
+            if vector_fits and space.num_inner % lanes == 0 and self._vectorizable(lanes):
+                self.lanes = lanes
+                break
+            self.vector_reads, self.vector_outputs = {}, False
         # the launch's threads follow the row length; the code only follows its size class
         self.threads = block_size(space.num_inner, self.lanes)
         items = -(-space.num_inner // (self.threads * self.lanes))
@@ -314,7 +319,15 @@ class _ReduceWriter(RowLoads, RowPasses):
                 return False
         return not self.columns
 
-    def _vectorizable(self) -> bool:
+    def _vector_choices(self) -> tuple[int, ...]:
+        """Lanes a chunk may take, widest first: 16-byte vectors of 2-byte rows (8 lanes)
+        where ``WIDE_HALF_VECTORS`` is on (not with strip sums: their float4 atomics take 4),
+        else 4 (16 bytes of float32, 8 of a 2-byte type)."""
+        if WIDE_HALF_VECTORS and not self.columns:
+            return (2 * VECTOR_LANES, VECTOR_LANES)
+        return (VECTOR_LANES,)
+
+    def _vectorizable(self, lanes: int = VECTOR_LANES) -> bool:
         vectorized = [  # per-row values (a class index) are read once a row, not in vectors
             read for read in self.reads
             if not read.generated and id(read.top) not in self.scalar_values
@@ -322,7 +335,7 @@ class _ReduceWriter(RowLoads, RowPasses):
         widest = max([read.base.dtype.itemsize for read in vectorized], default=1)
         rows = [node for node in self.group.outputs if node.shape == self.shape]
         widest = max([widest] + [node.dtype.itemsize for node in rows])
-        if widest * VECTOR_LANES > 16:  # vectors of 16 bytes at most: their alignment
+        if widest * lanes > 16:  # vectors of 16 bytes at most: their alignment
             return False
         for position, read in enumerate(self.reads):
             if id(read.top) in self.scalar_values or read.generated:
@@ -332,7 +345,7 @@ class _ReduceWriter(RowLoads, RowPasses):
             if inner not in (0, 1) or not read.aligned:
                 return False
             if inner == 1 and self._flat(position):
-                if read.view.offset % VECTOR_LANES or any(s % VECTOR_LANES for s in outer):
+                if read.view.offset % lanes or any(s % lanes for s in outer):
                     return False
                 self.vector_reads[id(read)] = True
         for position, output in enumerate(self.group.outputs):
@@ -340,7 +353,7 @@ class _ReduceWriter(RowLoads, RowPasses):
                 inner = self.space.inner_strides[self.out_index[position]][-1]
                 outer = self.space.outer_strides[self.out_index[position]]
                 flat = self._flat(self.out_index[position])
-                if inner != 1 or not flat or any(s % VECTOR_LANES for s in outer):
+                if inner != 1 or not flat or any(s % lanes for s in outer):
                     self.vector_reads.clear()
                     self.vector_outputs = False
                     return False

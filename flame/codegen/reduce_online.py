@@ -40,11 +40,14 @@ class OnlinePair:
         self.shift = shift  # the per-row value subtracted (a row-shaped node constant along it)
 
 
+ENABLED = True  # False: the two-pass form everywhere (an A/B: long_rows_bench.py --two-pass)
+
+
 def online_pairs(writer) -> dict[int, OnlinePair]:
     """``{id(sum): pair}`` for each sum of exp whose max can be taken with it (see module
     doc). Only streamed row kernels (block mode, no register cache, no strip reductions):
     where the row is on chip a second pass costs no memory traffic."""
-    if not writer.space.block_mode or writer.items or writer.columns:
+    if not ENABLED or not writer.space.block_mode or writer.items or writer.columns:
         return {}
     reduces = [
         node for node in writer.group.nodes

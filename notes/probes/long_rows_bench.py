@@ -1,6 +1,8 @@
 """Long-row softmax and cross-entropy, forward + backward, on the GPU (issue 21 item 3).
 
     PYTHONPATH=. python3 notes/probes/long_rows_bench.py [--quick] [--op softmax] [--dtype bfloat16]
+    FLAME_PLAN_CACHE=0 PYTHONPATH=. python3 notes/probes/long_rows_bench.py --flame-only --two-pass
+    FLAME_PLAN_CACHE=0 PYTHONPATH=. python3 notes/probes/long_rows_bench.py --flame-only --wide-half
 
 For softmax(x, -1) (backward with a random gy) and cross_entropy(x, target) (mean), rows
 8192x32768, 4096x65536, 2048x131072, 1024x262144, float32 and bfloat16: FLAME (fl.compile),
@@ -15,6 +17,13 @@ Floors (E elements of s bytes): softmax fwd+bwd 5*E*s (read x, write y, read y, 
 write dx); cross-entropy fwd+bwd 3*E*s + 8*rows (read logits twice, write dlogits; targets)
 and 2*E*s + 8*rows (a one-read online formulation). About 3 minutes (torch.compile's
 compile, ~6 s a case, is most of it); ``--quick`` takes 2 shapes.
+
+A/B switches of the row-kernel code (each line says which were set; run them in their own
+process with ``FLAME_PLAN_CACHE=0``, so that no stored plan of the other code is loaded):
+``--two-pass`` turns the online max + sum off (``reduce_online.ENABLED``), ``--wide-half``
+loads 2-byte rows in 16-byte vectors (``reduce.WIDE_HALF_VECTORS``), ``--shared-rows``
+turns the shared-memory row cache on (``reduce_shared.ENABLED``: only once
+flame/runtime/launch.py passes ``Lowered.shared_bytes``), ``--flame-only`` skips the peers.
 """
 
 from __future__ import annotations
@@ -78,14 +87,14 @@ def floors(op: str, rows: int, length: int, size: int) -> dict:
     return {"3 passes": 3 * elements * size + 8 * rows, "2 passes": 2 * elements * size + 8 * rows}
 
 
-def run_case(op: str, rows: int, length: int, dtype: str, bandwidth: float) -> dict:
+def run_case(op: str, rows: int, length: int, dtype: str, bandwidth: float, systems_run) -> dict:
     reference = float64_reference(op, rows, length, dtype)
     systems = row_systems(op, rows, length, dtype, "cuda")
     size = 4 if dtype == "float32" else 2
     case = {"op": op, "rows": rows, "length": length, "dtype": dtype, "mode": "fwd+bwd"}
     case["floor_bytes"] = floors(op, rows, length, size)
     results = {}
-    for key in SYSTEMS:
+    for key in systems_run:
         system = systems[key]
         if system.skip is not None:
             results[key] = {"status": "skipped", "reason": system.skip}
@@ -127,7 +136,19 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 shapes instead of 4")
     parser.add_argument("--op", choices=("softmax", "cross_entropy"), action="append")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), action="append")
+    parser.add_argument("--flame-only", action="store_true", help="skip eager, torch.compile")
+    parser.add_argument("--two-pass", action="store_true", help="online max + sum off")
+    parser.add_argument("--wide-half", action="store_true", help="16-byte vectors of 2-byte rows")
+    parser.add_argument("--shared-rows", action="store_true", help="shared-memory row cache on")
     args = parser.parse_args(argv)
+    from flame.codegen import reduce, reduce_online, reduce_shared
+
+    reduce_online.ENABLED = not args.two_pass
+    reduce.WIDE_HALF_VECTORS = args.wide_half
+    reduce_shared.ENABLED = args.shared_rows
+    switches = {"online": not args.two_pass, "wide_half": args.wide_half,
+                "shared_rows": args.shared_rows}  # fmt: skip
+    systems_run = ("flame",) if args.flame_only else SYSTEMS
     copy = copy_bandwidth(True, False, 20)
     bandwidth = copy["gb_per_s"] * 1e9
     print(json.dumps({"copy_bandwidth_gb_per_s": copy["gb_per_s"], "timing": vars(TIMING)}))
@@ -135,7 +156,8 @@ def main(argv=None) -> int:
     for op in args.op or ("softmax", "cross_entropy"):
         for rows, length in QUICK if args.quick else SHAPES:
             for dtype in args.dtype or ("bfloat16", "float32"):
-                print(json.dumps(run_case(op, rows, length, dtype, bandwidth)), flush=True)
+                case = run_case(op, rows, length, dtype, bandwidth, systems_run)
+                print(json.dumps({**case, "switches": switches}), flush=True)
     log(f"done in {time.perf_counter() - started:.0f} s")
     return 0
 
