@@ -227,7 +227,7 @@ def logsumexp(x, dim=None, keepdim=False, *, axis=None):
     if not _count(x, axes):
         result = plain_sum(x.exp(), axes, keepdim=True).log()
         return result if keepdim else _drop(result, axes)
-    peak = amax(x, dim, keepdim=True)
+    peak = amax(x.detach(), dim, keepdim=True)  # the result does not change with the shift
     finite_peak = where(peak.abs() == float("inf"), 0.0, peak)
     total = plain_sum((x - finite_peak).exp(), axes, keepdim=True)
     result = total.log() + finite_peak

@@ -32,7 +32,10 @@ def softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
         (x,) = full_precision(x)  # autocast: float32 (PyTorch's list), unless dtype= is given
     if x.ndim and x.shape[dim] == 0:  # nothing to normalize: the empty tensor, as PyTorch
         return x
-    shifted = x - R.amax(x, dim, keepdim=True)
+    # the shift is a constant to autograd: softmax does not change with it, so its gradient
+    # through the max is zero (as PyTorch's formula, which has no such term); kept, it would
+    # cost the backward two more passes over the row (the max's ties and a sum that is 0)
+    shifted = x - R.amax(x.detach(), dim, keepdim=True)
     exponent = shifted.exp()
     return exponent / R.plain_sum(exponent, dim, keepdim=True)
 
@@ -44,7 +47,7 @@ def log_softmax(x: Tensor, dim: int = -1, dtype=None) -> Tensor:
         (x,) = full_precision(x)
     if x.ndim and x.shape[dim] == 0:
         return x
-    shifted = x - R.amax(x, dim, keepdim=True)
+    shifted = x - R.amax(x.detach(), dim, keepdim=True)  # a constant shift (see softmax)
     return shifted - R.plain_sum(shifted.exp(), dim, keepdim=True).log()
 
 
