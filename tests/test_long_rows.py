@@ -188,7 +188,9 @@ def test_both_sides_of_the_streamed_boundary_compile(name, length, named, dtype,
     forward = FORWARD[name](x)
     if dtype is not np.float64:  # 8-byte rows hold half as many values in registers
         classes = [k.spec.size_class for k in row_kernels(forward, ROWS * length)]
-        assert classes and all(c.startswith(named) for c in classes), classes
+        # past the register classes a 2-byte row fits the shared-memory row cache
+        allowed = (named, "row in shared memory") if named == "row streamed" else (named,)
+        assert classes and all(c.startswith(allowed) for c in classes), classes
     for lowered in kernels(*forward, *with_backward(FORWARD[name])(x)):
         cubin = nvrtc_compile(render(lowered.spec), lowered.spec.name, "sm_90")
         assert cubin[:4] == b"\x7fELF", lowered.spec.size_class
