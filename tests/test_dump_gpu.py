@@ -62,7 +62,7 @@ def test_profile_times_every_kernel_and_reports_the_floor(tmp_path):
     for kernel in kernels(manifest):
         assert len(kernel["times_ms"]) == 3 and min(kernel["times_ms"]) > 0
         assert kernel["resources"]["registers"] > 0  # the loaded function's own count
-        assert "spill_stores" in kernel["resources"], (kernel["name"], kernel)
+        assert "spill_stores" in kernel["resources"], (kernel["name"], kernel["resources_note"])
         assert kernel["launch_note"] == "as launched"
     assert "% floor" in manifest["stdout"] and "model.py:" in manifest["stdout"]
     second = manifest["graphs"][1]
