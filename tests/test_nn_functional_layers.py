@@ -18,7 +18,7 @@ import pytest
 from gradcheck import check_against_finite_differences, check_against_torch
 
 import flame as fl
-from flame.nn import attention, convolution, folding, normalization, pooling
+from flame.nn import attention, convolution, folding, multihead_attention, normalization, pooling
 
 
 def torch_module():
@@ -719,7 +719,7 @@ def test_multi_head_attention_forward_matches_torch(case, rng):
     positions = [0, 1, 2, 3, 4, 5, 6] + ([7, 8] if bias else [])
     weight_positions = [0, 1, 3, 4] + ([7] if bias else [])  # what the weights depend on
     ours, theirs = (
-        attention.multi_head_attention_forward,
+        multihead_attention.multi_head_attention_forward,
         torch.nn.functional.multi_head_attention_forward,
     )
     for pick in (0, 1):  # the output, then the attention weights (where returned)

@@ -247,10 +247,7 @@ from flame.nn.activations import (  # noqa: E402
 
 # The layers' ops (flame/nn/convolution.py, folding.py, pooling.py, interpolation.py,
 # attention.py, normalization.py).
-from flame.nn.attention import (  # noqa: E402
-    multi_head_attention_forward,
-    scaled_dot_product_attention,
-)
+from flame.nn.attention import scaled_dot_product_attention  # noqa: E402
 from flame.nn.convolution import (  # noqa: E402
     bilinear,
     conv1d,
@@ -272,6 +269,7 @@ from flame.nn.losses import (  # noqa: E402
     smooth_l1_loss,
 )
 from flame.nn.modules.dropout import dropout1d, dropout2d, dropout3d  # noqa: E402
+from flame.nn.multihead_attention import multi_head_attention_forward  # noqa: E402
 from flame.nn.normalization import batch_norm, instance_norm  # noqa: E402
 from flame.nn.pooling import (  # noqa: E402
     adaptive_avg_pool1d,

@@ -1,5 +1,5 @@
 """``MultiheadAttention`` (its functional form, ``F.multi_head_attention_forward``, is in
-flame/nn/attention.py), as PyTorch's: the same constructor arguments, parameter names and
+flame/nn/multihead_attention.py), as PyTorch's: the same constructor arguments, parameter names and
 shapes (``in_proj_weight``
 [3E, E] or ``q/k/v_proj_weight`` when ``kdim``/``vdim`` differ, ``in_proj_bias`` [3E],
 ``out_proj.weight``/``out_proj.bias``, ``bias_k``/``bias_v`` [1, 1, E]), initialisation
@@ -16,9 +16,13 @@ a separate path here. Boolean masks are ``True`` where attention is *not* allowe
 from __future__ import annotations
 
 from flame.nn import init
-from flame.nn.attention import _canonical_mask, _dtype_or_none, multi_head_attention_forward
 from flame.nn.modules.linear import Linear, empty_parameter
 from flame.nn.modules.module import Module
+from flame.nn.multihead_attention import (
+    _canonical_mask,
+    _dtype_or_none,
+    multi_head_attention_forward,
+)
 from flame.tensor import Tensor
 
 # (NonDynamicallyQuantizableLinear and the functional form are not flame.nn names, as in
