@@ -119,13 +119,30 @@ def apply_rule(rule, *lists, scalars: Tensor | None = None, into=()) -> None:
         return
     from flame.autograd import no_grad
 
-    extra = () if scalars is None else (scalars,)
+    extra = () if scalars is None else (_Slices(scalars),)
     with no_grad():
         for index in range(len(lists[0])):
             results = rule(*[column[index] for column in lists], *extra)
             results = (results,) if isinstance(results, Tensor) else tuple(results)
             for result, position in zip(results, into):
                 lists[position][index].copy_(result)
+
+
+class _Slices:
+    """A rule's per-step vector ``h`` while a step is traced: ``h[i]`` is sliced once and
+    shared by every parameter the rule is applied to (an AdamW over 305 parameters sliced
+    ``h`` 2,745 times, ~0.1 s of the first step's trace; the graph is the same after CSE)."""
+
+    __slots__ = ("vector", "shape", "_made")
+
+    def __init__(self, vector: Tensor):
+        self.vector, self.shape, self._made = vector, vector.shape, {}
+
+    def __getitem__(self, index: int) -> Tensor:
+        made = self._made.get(index)
+        if made is None:
+            made = self._made[index] = self.vector[index]
+        return made
 
 
 def new_scalar(value: float, like: Tensor, dtype=float32) -> Tensor:
