@@ -446,24 +446,38 @@ def test_gpu_matches_reference(case, dtype_name, cudnn_enabled, rng):
 @pytest.mark.gpu
 def test_long_sequence_never_stores_the_scores(cudnn_enabled, rng, cuda_backend):
     """Forward and backward memory grows linearly with the sequence length: doubling L from
-    4096 to 8192 (2 heads, head dim 64) about doubles what CuPy's pool grows by (it keeps freed
-    blocks, so its growth is the high-water mark), where stored [L, L] scores would quadruple
-    it; and at 8192 the growth stays below the 256 MiB bfloat16 scores would take."""
+    4096 to 8192 (2 heads, head dim 64) about doubles the most bytes in use at once (a CuPy
+    memory hook on FLAME's pool: the pool's own growth also counts blocks it could not reuse
+    because of what earlier tests left in it), where stored [L, L] scores would quadruple it;
+    and at 8192 it stays below the 256 MiB bfloat16 scores would take."""
     import cupy
+    from cupy.cuda.memory_hook import MemoryHook
+
+    class PeakHook(MemoryHook):
+        name = "flame_attention_peak"
+
+        def __init__(self):
+            self.in_use = self.peak = 0
+
+        def malloc_postprocess(self, **kwargs):
+            self.in_use += kwargs["mem_size"]
+            self.peak = max(self.peak, self.in_use)
+
+        def free_postprocess(self, **kwargs):
+            self.in_use -= kwargs["mem_size"]
 
     def growth(length: int):
         shape = (1, 2, length, 64)
         arrays = [_rounded(rng.standard_normal(shape), fl.bfloat16) for _ in range(4)]
         q, k, v, seed = (fl.tensor(array).realize() for array in arrays)
-        pool = cupy.get_default_memory_pool()
         cupy.cuda.Device().synchronize()
-        pool.free_all_blocks()
-        before = pool.total_bytes()
-        out, pullback = fl.vjp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
-        grads = [grad.realize() for grad in pullback(seed)]
-        out.realize()
-        cupy.cuda.Device().synchronize()
-        return pool.total_bytes() - before, arrays, out, grads
+        hook = PeakHook()
+        with hook:
+            out, pullback = fl.vjp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+            grads = [grad.realize() for grad in pullback(seed)]
+            out.realize()
+            cupy.cuda.Device().synchronize()
+        return hook.peak, arrays, out, grads
 
     small = growth(4096)[0]
     length, dim = 8192, 64
