@@ -271,6 +271,20 @@ def _key(generator: Generator, count: int, backend: str) -> tuple[Tensor, Tensor
     return Tensor(node, backend), local
 
 
+def state_operand(count: int, backend: str, generator=None) -> Tensor:
+    """The int64 [2] (seed, offset) of a draw of ``count`` counters, for a fused op that
+    draws inside its own kernels (attention's dropout): as a draw of its own, lazy or
+    compiled (a compiled program reads the generator's state buffer at every call)."""
+    from flame.backend import backend as use_backend
+    from flame.creation import tensor
+
+    state, local = _key(_generator(generator), count, backend)
+    if not local:
+        return state
+    with use_backend(backend):
+        return state + tensor(np.array([0, local], dtype=_INT64))
+
+
 def random_bits(shape, generator=None, words: int = 1) -> list[Tensor]:
     """``words`` int64 tensors of ``shape`` holding 24 random bits each (Philox words 0..)."""
     from flame.creation import arange

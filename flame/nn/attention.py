@@ -219,10 +219,6 @@ def _dropout_state(q: Tensor, k: Tensor) -> Tensor:
     ``F.dropout`` draws (flame/random.py): lazy, a buffer of its own; compiled, the generator's
     state buffer (read at every call) plus the draw's place in the trace."""
     from flame.ir.ops.attention import dropout_counters
-    from flame.random import _generator, _key
+    from flame.random import state_operand
 
-    state, local = _key(_generator(None), dropout_counters(q.shape, k.shape), q.backend)
-    if not local:
-        return state
-    with use_backend(q.backend):
-        return state + constant(np.array([0, local], dtype=np.int64))
+    return state_operand(dropout_counters(q.shape, k.shape), q.backend)
