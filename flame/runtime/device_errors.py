@@ -42,8 +42,8 @@ __device__ __forceinline__ void flame_report(unsigned long long* errors, unsigne
 """
 
 _lock = threading.Lock()
-_sites: list[tuple[str, str, str]] = []  # code - 1 -> (op, message with {value}, where)
-_codes: dict[tuple[str, str, str], int] = {}
+_sites: list[tuple] = []  # code - 1 -> (op, message with {value}, the user's site)
+_codes: dict[tuple, int] = {}
 _word = None  # (pinned memory, host view, device pointer), made on first use
 
 
@@ -74,8 +74,7 @@ def word_pointer() -> int:
 def site_code(op: str, message: str, site) -> int:
     """The code of a check site; ``message`` (the op's name first) holds ``{value}`` where
     the index goes."""
-    where = format_site(site) if site is not None else "unknown line"
-    key = (op, message, where)
+    key = (op, message, site)  # the line is formatted only when an error is raised
     code = _codes.get(key)
     if code is None:
         with _lock:
@@ -103,6 +102,7 @@ def raise_pending() -> None:
         return
     host[0] = 0
     code, value = recorded >> VALUE_BITS, _value(recorded)
-    _, message, where = _sites[code - 1] if 0 < code <= len(_sites) else ("?", "{value}", "?")
+    _, message, site = _sites[code - 1] if 0 < code <= len(_sites) else ("?", "{value}", None)
+    where = format_site(site) if site is not None else "an unknown line"
     text = message.format(value=value)
     raise IndexOutOfBounds(f"{text} (found on the GPU; the op was built at {where})")
