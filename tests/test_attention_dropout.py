@@ -500,22 +500,14 @@ def test_dropout_variants_compile_for_sm90(part, nvrtc, monkeypatch):
 
 @pytest.fixture(params=[True, False], ids=["cudnn", "flash"])
 def cudnn_enabled(request):
-    previous = fl.backends.cudnn.enabled
-    fl.backends.cudnn.enabled = request.param
-    try:
+    with fl.backends.cudnn.flags(enabled=request.param):
         yield request.param
-    finally:
-        fl.backends.cudnn.enabled = previous
 
 
 @pytest.fixture
 def flash_only():
-    previous = fl.backends.cudnn.enabled
-    fl.backends.cudnn.enabled = False
-    try:
+    with fl.backends.cudnn.flags(enabled=False):
         yield
-    finally:
-        fl.backends.cudnn.enabled = previous
 
 
 GPU_TOLERANCE = {"bfloat16": 4e-2, "float16": 1e-2}

@@ -422,12 +422,8 @@ def test_bad_input_fails_at_build_time(build, error, parts, reference_backend):
 def cudnn_enabled(request):
     """``fl.backends.cudnn.enabled`` set for one test (False: FLAME's flash kernel),
     restored after it."""
-    previous = fl.backends.cudnn.enabled
-    fl.backends.cudnn.enabled = request.param
-    try:
+    with fl.backends.cudnn.flags(enabled=request.param):
         yield request.param
-    finally:
-        fl.backends.cudnn.enabled = previous
 
 
 @pytest.mark.gpu

@@ -442,12 +442,8 @@ GPU_DTYPES = {
 @pytest.fixture(params=[True, False], ids=["cudnn", "fallback"])
 def cudnn_enabled(request):
     """``fl.backends.cudnn.enabled`` set for one test, restored after it."""
-    previous = fl.backends.cudnn.enabled
-    fl.backends.cudnn.enabled = request.param
-    try:
+    with fl.backends.cudnn.flags(enabled=request.param):
         yield request.param
-    finally:
-        fl.backends.cudnn.enabled = previous
 
 
 def _compare_with_reference(case, rng, dtype_name, layout):
@@ -653,3 +649,16 @@ def test_pointwise_conv2d_is_one_matmul(dtype, rng, reference_backend):
         np.testing.assert_allclose(
             got.float().numpy(), want, rtol=tolerance, atol=tolerance * np.abs(want).max()
         )
+
+
+def test_cudnn_flags_set_settings_for_a_block_and_restore_them():
+    cudnn = fl.backends.cudnn
+    before = (cudnn.enabled, cudnn.channels_last)
+    with pytest.raises(RuntimeError, match="inside"):
+        with cudnn.flags(enabled=not before[0]):
+            assert (cudnn.enabled, cudnn.channels_last) == (not before[0], before[1])
+            raise RuntimeError("inside")
+    assert (cudnn.enabled, cudnn.channels_last) == before
+    with cudnn.flags(channels_last=False):
+        assert cudnn.channels_last is False and cudnn.enabled == before[0]
+    assert (cudnn.enabled, cudnn.channels_last) == before
