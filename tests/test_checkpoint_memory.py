@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from plan_memory import planned_peak
 
 import flame as fl
-from flame.codegen.lower import lower_group
 from flame.ir.graph import Graph
 from flame.ir.node import toposort
 from flame.ir.passes import run_pipeline
-from flame.runtime.executor import LibraryCall, _layout_of, _plan_memory
-from flame.runtime.launch import Launch
 
 F = fl.nn.functional
 BLOCKS = 6
@@ -60,19 +58,7 @@ def _step(rng, checkpoint: bool, backend_dtype=fl.bfloat16, sizes=PLANNED):
 
 def _peak(outputs) -> tuple[int, Graph]:
     graph = run_pipeline(Graph(tuple(t.node for t in outputs)))
-    inputs = graph.inputs
-    slot_of = {id(node): index for index, node in enumerate(inputs)}
-    for group in graph.groups:
-        for output in group.outputs:
-            slot_of[id(output)] = len(slot_of)
-    launches = [
-        LibraryCall.plan(group.nodes[0], slot_of)
-        if group.kind == "library"
-        else Launch.plan(lower_group(group, _layout_of), None, slot_of)
-        for group in graph.groups
-    ]  # fmt: skip
-    outputs = tuple(slot_of[id(node)] for node in graph.outputs)
-    return _plan_memory(launches, len(inputs), outputs, graph, slot_of)[1], graph
+    return planned_peak(graph), graph
 
 
 def test_checkpointed_blocks_lower_the_planned_peak(cuda_backend, rng, monkeypatch):

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from plan_memory import planned_peak
 
 import flame as fl
 from flame.codegen.lower import lower_group
@@ -24,8 +25,7 @@ from flame.ir.ops import get_op
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.split import ROW_COLUMN_VALUES, _strips
 from flame.runtime.compiler import nvrtc_compile
-from flame.runtime.executor import _layout_of, _plan_memory
-from flame.runtime.launch import Launch
+from flame.runtime.executor import _layout_of
 from flame.runtime.reference import evaluate
 
 F = fl.nn.functional
@@ -153,27 +153,13 @@ def test_deterministic_mode_starts_from_the_environment():
     assert done.returncode == 0, done.stderr.decode()
 
 
-def _planned_peak(graph) -> int:
-    """The executor's planned peak for a graph of reduce kernels (no GPU: nothing loads)."""
-    inputs = graph.inputs
-    slot_of = {id(node): index for index, node in enumerate(inputs)}
-    for group in graph.groups:
-        for output in group.outputs:
-            slot_of[id(output)] = len(slot_of)
-    launches = [
-        Launch.plan(lower_group(group, _layout_of), None, slot_of) for group in graph.groups
-    ]
-    outputs = tuple(slot_of[id(node)] for node in graph.outputs)
-    return _plan_memory(launches, len(inputs), outputs, graph, slot_of)[1]
-
-
 def test_planned_peak_has_no_partial_rows(cuda_backend, rng):
     """Atomic: y, dx, dw and db only; deterministic: the 2 x 256 x 4096 partial rows too."""
     outputs = _layer_norm_fwd_bwd(rng, (16384, 4096))
     results = 2 * 16384 * 4096 * 4 + 2 * 4096 * 4
-    assert _planned_peak(_plan(outputs)) == results
+    assert planned_peak(_plan(outputs)) == results
     with fl.use_deterministic_algorithms(True):
-        assert _planned_peak(_plan(outputs)) == results + 2 * 256 * 4096 * 4
+        assert planned_peak(_plan(outputs)) == results + 2 * 256 * 4096 * 4
 
 
 def test_three_d_layer_norm_joins_too(cuda_backend, rng):
