@@ -208,18 +208,66 @@ def const_literal(node: Node) -> str:
     return c_literal(node.attr("value"), node.dtype)
 
 
+class SizeArgs(dict):
+    """The constants of a kernel that are its arguments, not literals (node id -> ``Arg``):
+    those derived from sizes (``sized``: the 1/n of a mean), and ``counters``: integer
+    constants added into a random draw's counter (``counter_constants``). ``index``: the
+    kernel's index type, which an integer argument is passed as."""
+
+    def __init__(self, group: Group | None = None, index: str = "int"):
+        super().__init__()
+        self.counters = counter_constants(group) if group is not None else frozenset()
+        self.index = index
+
+
+COUNTER_PATH_OPS = frozenset(("add", "sub", "expand", "reshape", "broadcast_to"))
+_INT32_MAX = 2**31 - 1
+
+
+def counter_constants(group: Group) -> frozenset:
+    """Ids of the integer constants a group adds into a ``philox`` counter. In a compiled
+    step each draw's counters start at its place among the step's draws (flame/random.py:
+    ``state offset + local``), a number that follows the sizes of every draw before it
+    (the batch, the image): as a literal it made the UNet step's dropout and noise kernels
+    new code at every new resolution or batch size (44 of 47 compiles). A counter's value
+    never changes the code that hashes it, so these constants are arguments."""
+    found: set = set()
+    stack = [node.inputs[1] for node in group.nodes if node.op == "philox"]
+    seen: set = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "const":
+            if node.dtype.is_int:
+                found.add(id(node))
+        elif node.op in COUNTER_PATH_OPS:
+            stack.extend(node.inputs)
+    return frozenset(found)
+
+
 def const_text(node: Node, size_args: dict) -> str:
     """A constant's C text: its literal, or, for a constant derived from sizes (``sized``: 1/n
-    of a mean), the kernel argument that carries it, added to ``size_args`` (node id -> Arg)
-    once: a new size changes the argument, not the code."""
-    if not node.attr("sized"):
+    of a mean) or a draw's counter offset (``SizeArgs.counters``), the kernel argument that
+    carries it, added to ``size_args`` (node id -> Arg) once: a new size changes the
+    argument, not the code."""
+    counter = id(node) in getattr(size_args, "counters", ())
+    if not (node.attr("sized") or counter):
         return const_literal(node)
     arg = size_args.get(id(node))
     if arg is None:
         from flame.codegen.spec import Arg
 
         name = f"sized{len(size_args)}"
-        arg = size_args[id(node)] = Arg("value", node.dtype.c_compute, name, node.attr("value"))
+        value = node.attr("value")
+        if not counter:
+            arg = Arg("value", node.dtype.c_compute, name, value)
+        elif size_args.index == "int" and not -_INT32_MAX <= value <= _INT32_MAX:
+            return const_literal(node)  # past a 32-bit index: a literal (a draw of 2**31)
+        else:  # passed as the index type, as sizes are (flame/runtime/launch.py)
+            arg = Arg("size", size_args.index, name, value)
+        size_args[id(node)] = arg
     return arg.name
 
 

@@ -18,6 +18,7 @@ from flame.codegen.common import (
     INDEX_LEAVES,
     Helpers,
     Read,
+    SizeArgs,
     buffer_params,
     collect_reads,
     const_text,
@@ -126,7 +127,7 @@ class _Writer:
         self.tail_values: dict[int, str] = {}
         self.needs_tail = vec > 1 and len(sizes) <= 1
         self.axis_index: list[str] = []
-        self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
+        self.size_args = SizeArgs(group, index_type)  # constants as arguments (const_text)
 
     def build(self, numel) -> Lowered:
         self.params, buffers = buffer_params(self.group, self.reads)

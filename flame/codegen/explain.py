@@ -45,3 +45,41 @@ def compile_reason(spec, earlier) -> str:
     if not changed:
         return "the same code as the last kernel of these operations (not in the cache)"
     return f"same size class {spec.size_class!r}; changed: {', '.join(changed)}"
+
+
+def _short(value, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_difference(a, b, path: str) -> str:
+    """Where two values first differ, e.g. ``extras['block']: 256 != 512``."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        for index, (left, right) in enumerate(zip(a, b)):
+            if left != right:
+                return _first_difference(left, right, f"{path}[{index}]")
+        return f"{path}: length {len(a)} != {len(b)}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            left, right = a.get(key, "<absent>"), b.get(key, "<absent>")
+            if left != right:
+                return _first_difference(left, right, f"{path}[{key!r}]")
+    return f"{path}: {_short(a)} != {_short(b)}"
+
+
+def spec_differences(spec, other) -> list[str]:
+    """Each part of two specs' code that differs (``extras`` key by key), with where inside
+    it: what a compile's reason names in detail (the probes and the tests print it)."""
+    lines = []
+    for name in [f.name for f in fields(spec) if f.name not in ("name", "header")]:
+        left, right = _code(spec, name), _code(other, name)
+        if left == right:
+            continue
+        if isinstance(left, dict) and isinstance(right, dict):
+            for key in sorted(set(left) | set(right), key=str):
+                a, b = left.get(key, "<absent>"), right.get(key, "<absent>")
+                if a != b:
+                    lines.append(_first_difference(a, b, f"{name}[{key!r}]"))
+        else:
+            lines.append(_first_difference(left, right, name))
+    return lines

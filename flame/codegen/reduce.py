@@ -26,6 +26,7 @@ from flame.codegen import reduce_shared
 from flame.codegen.common import (
     Helpers,
     Read,
+    SizeArgs,
     buffer_params,
     collect_reads,
     header,
@@ -106,6 +107,7 @@ def _lower(group: Group, layout_of, cache_items, held) -> tuple:
         for position, node in enumerate(group.outputs) if id(node) not in skipped
     }  # fmt: skip
     writer.index = index_type_for(prod(shape), reads)
+    writer.size_args.index = writer.index
     writer.forced = cache_items
     writer.held = held
     return writer, writer.build(out_views)
@@ -194,7 +196,7 @@ class _ReduceWriter(RowLoads, RowPasses):
         self.out_index: dict[int, int] = {}
         self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
         self.held: tuple = ()  # ``in`` parameters held in shared memory (reduce_shared.py)
-        self.size_args: dict = {}  # constants derived from sizes: arguments (const_text)
+        self.size_args = SizeArgs(group)  # constants as arguments (const_text)
         self.online: dict = {}  # id(sum of exp) -> its max taken with it (reduce_online.py)
         self.level = self._levels()
 
