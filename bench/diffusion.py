@@ -21,6 +21,9 @@ torch.compile, default mode), bfloat16 autocast on every system.
 
 ``--backend reference``: a CPU smoke run (tiny models, PyTorch on the CPU, no torch.compile, no
 ratios). Writes ``diffusion.json`` and ``diffusion.md`` under ``--out``.
+
+The cases, targets and the systems' pieces are in bench/diffusion_cases.py, the sampling
+section in bench/diffusion_sampling.py.
 """
 
 from __future__ import annotations
@@ -37,129 +40,34 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench import conv_attention as ca
+from bench.diffusion_cases import (  # noqa: F401  (the names bench/diffusion.py had)
+    CFG_DROPOUT,
+    CHANNELS,
+    CLASSES,
+    EMA_DECAY,
+    FIRST_STEP,
+    GUIDANCE,
+    LR,
+    SAMPLING_CASES,
+    STEP_CASES,
+    TARGETS,
+    TorchStep,
+    flame_batch,
+    flame_trainer,
+    progress,
+    targets_met,
+    torch_batch,
+    torch_model,
+)
+from bench.diffusion_sampling import sampling_section, sampling_systems  # noqa: F401
 from bench.harness import guarded
 from bench.timing import wait_for_quiet_host
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("step", "memory", "first-step", "sampling")
 MARKER = "FLAME_DIFFUSION_FIRSTSTEP "
-CLASSES, CHANNELS, LR, EMA_DECAY, CFG_DROPOUT, GUIDANCE = 10, 3, 2e-4, 0.9999, 0.1, 2.0
-TARGETS = {  # peer ms / FLAME ms at least; first-step: ms at most
-    "unet": {"torch_compile": 1.25, "torch_eager": 1.7},
-    "dit": {"torch_compile": 1.2},
-    "sampling": {"torch_compile": 1.2},
-    "first-step": {"cold": 10_000, "warm_disk": 1_000, "new_resolution": 1_000},
-}
-# (model, size, image size, batch); sampling: (..., images, DDIM steps)
-STEP_CASES = {
-    "full": [("unet", "full", 32, 64), ("unet", "full", 64, 16), ("dit", "full", 32, 64)],
-    "quick": [("unet", "full", 32, 64), ("dit", "full", 32, 64)],
-    "tiny": [("unet", "tiny", 8, 2), ("dit", "tiny", 8, 2)],
-}
-SAMPLING_CASES = {
-    "full": [("unet", "full", 32, 256, 50), ("dit", "full", 32, 256, 50)],
-    "quick": [("unet", "full", 32, 256, 50)],
-    "tiny": [("unet", "tiny", 8, 2, 3)],
-}
-# the first-step case, then the new resolution's (image size, batch)
-FIRST_STEP = {
-    "cuda": (("unet", "full", 32, 64), (64, 16)),
-    "reference": (("unet", "tiny", 8, 2), (16, 2)),
-}
 NAMES = {"flame": "FLAME", "flame_checkpoint": "FLAME checkpoint=True",
          "torch_eager": "eager", "torch_compile": "torch.compile"}  # fmt: skip
-
-
-def progress(message: str) -> None:
-    print(f"[diffusion] {message}", file=sys.stderr, flush=True)
-
-
-def torch_model(case, backend: str):
-    import torch
-
-    from bench.diffusion_models_torch import build_model
-
-    torch.manual_seed(0)
-    model = build_model(case[0], case[2], CHANNELS, CLASSES, case[1])
-    return model.to(ca.torch_device(backend))
-
-
-def flame_trainer(case, state=None, checkpoint: bool = False):
-    """The example's ``Trainer`` (weights from ``state`` if given), learning rate constant."""
-    from examples.diffusion.models import build_model
-    from examples.diffusion.train import Trainer
-
-    def builder(*arguments, **overrides):
-        model = build_model(*arguments, **overrides)
-        if state is not None:
-            model.load_state_dict(state)
-        return model
-
-    options = SimpleNamespace(seed=0, checkpoint_blocks=checkpoint, lr=LR, weight_decay=0.0,
-                              warmup=1, bf16=True, prediction="eps", cfg_dropout=CFG_DROPOUT,
-                              grad_clip=1.0, ema=EMA_DECAY)  # fmt: skip
-    config = {"model": case[0], "size": case[1], "image_size": case[2], "channels": CHANNELS,
-              "num_classes": CLASSES, "schedule": "linear", "prediction": "eps"}  # fmt: skip
-    trainer = Trainer(options, config, builder)
-    trainer.prepare()
-    return trainer
-
-
-def flame_batch(image_size: int, batch: int):
-    import flame as fl
-
-    images = fl.randn(batch, CHANNELS, image_size, image_size).clamp(-1.0, 1.0).realize()
-    return images, fl.randint(0, CLASSES, (batch,), dtype=fl.int64).realize()
-
-
-def torch_batch(image_size: int, batch: int, backend: str):
-    import torch
-
-    device = ca.torch_device(backend)
-    images = torch.randn(batch, CHANNELS, image_size, image_size, device=device).clamp(-1, 1)
-    return images, torch.randint(0, CLASSES, (batch,), device=device)
-
-
-class TorchStep:
-    """The example's step in PyTorch: same loss (linear schedule, eps), clip, AdamW (fused on
-    the GPU), EMA at a fixed decay (FLAME warms the decay up, on the device)."""
-
-    def __init__(self, model, backend: str, compiled: bool):
-        import numpy as np
-        import torch
-
-        from examples.diffusion.diffusion import linear_betas
-
-        self.torch, self.model, self.device = torch, model.train(), ca.torch_device(backend)
-        self.params = list(model.parameters())
-        self.ema = [p.detach().clone() for p in self.params]
-        fused = self.device == "cuda"
-        self.optimizer = torch.optim.AdamW(self.params, lr=LR, weight_decay=0.0, fused=fused)
-        alpha_bar = np.cumprod(1.0 - linear_betas())
-        self.a, self.s = (torch.tensor(np.sqrt(v), dtype=torch.float32, device=self.device)
-                          for v in (alpha_bar, 1.0 - alpha_bar))  # fmt: skip
-        self.loss = torch.compile(self.eager_loss) if compiled else self.eager_loss
-
-    def eager_loss(self, images, labels):
-        torch, batch = self.torch, images.shape[0]
-        t = torch.randint(0, len(self.a), (batch,), device=self.device)
-        noise = torch.randn_like(images)
-        dropped = torch.rand(batch, device=self.device) < CFG_DROPOUT
-        labels = torch.where(dropped, torch.full_like(labels, CLASSES), labels)
-        a, s = self.a[t].view(-1, 1, 1, 1), self.s[t].view(-1, 1, 1, 1)
-        with torch.autocast(self.device, dtype=torch.bfloat16):
-            output = self.model(a * images + s * noise, t, labels)
-        return torch.nn.functional.mse_loss(output.float(), noise)
-
-    def __call__(self, images, labels):
-        loss = self.loss(images, labels)
-        loss.backward()
-        norm = self.torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.torch.no_grad():
-            self.torch._foreach_lerp_(self.ema, self.params, 1.0 - EMA_DECAY)
-        return loss.detach(), norm
 
 
 def step_systems(case, backend: str, with_checkpoint: bool) -> dict:
@@ -253,10 +161,6 @@ def training_sections(backend: str, cases, timing, want_step: bool, want_memory:
     return report
 
 
-def targets_met(targets: dict, found: dict) -> dict:
-    return {k: None if found.get(k) is None else found[k] >= v for k, v in targets.items()}
-
-
 def memory_row(row: dict, backend: str) -> dict:
     results = row["results"]
     peaks = {k: r.get("memory", {}).get("peak_mb") for k, r in results.items()}
@@ -344,89 +248,6 @@ def first_step_section(backend: str) -> dict:
     result["targets"] = {k: None if backend != "cuda" or measured[k] is None else measured[k] <= v
                          for k, v in TARGETS["first-step"].items()}  # fmt: skip
     return result
-
-
-def sampling_systems(case, backend: str) -> dict:
-    import torch
-
-    import flame as fl
-    from examples.diffusion.diffusion import Sampler, make_schedule
-    from examples.diffusion.models import build_model
-
-    name, size, image_size, images, steps = case
-    model, device = torch_model(case, backend).eval(), ca.torch_device(backend)
-    torch.manual_seed(1)
-    noise = torch.randn(images, CHANNELS, image_size, image_size, device=device)
-    labels = torch.randint(0, CLASSES, (images,), device=device)
-
-    def sampler(network):
-        return Sampler(network, make_schedule("linear"), kind="ddim", steps=steps,
-                       guidance=GUIDANCE, num_classes=CLASSES)  # fmt: skip
-
-    def flame_build():
-        network = build_model(name, image_size, CHANNELS, CLASSES, size)
-        network.load_state_dict({k: v.float().cpu().numpy() for k, v in model.state_dict().items()})
-        chain, x, y = (
-            sampler(network.eval()),
-            ca.to_flame(noise, backend),
-            ca.to_flame(labels, backend),
-        )
-
-        def call():
-            with fl.inference_mode(), fl.autocast(dtype=fl.bfloat16):
-                return (chain.sample(x, y).realize(),)
-
-        return call, ca.flame_clock(backend)
-
-    def torch_build(compiled: bool):
-        def build():
-            with fl.backend(backend):  # the per-step values: FLAME's sampler's, on the host
-                chain = sampler(None)
-            plan = [(torch.full((images,), int(t), device=device),
-                     torch.tensor(h, dtype=torch.float32, device=device))
-                    for t, h in zip(chain.timesteps, chain.per_step_values())]  # fmt: skip
-            null = torch.full_like(labels, CLASSES)
-
-            def ddim_step(x, t, h):  # Sampler._step: DDIM, eta 0, guided, x0 clipped
-                doubled = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([labels, null]))
-                conditional, unconditional = doubled.chunk(2)
-                output = (unconditional + h[2] * (conditional - unconditional)).float()
-                x0 = ((x - h[1] * output) / h[0]).clamp(-1.0, 1.0)
-                return h[3] * x0 + h[4] * (x - h[0] * x0) / h[1]
-
-            step = torch.compile(ddim_step) if compiled else ddim_step
-
-            def call():
-                with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
-                    x = noise
-                    for t, h in plan:
-                        x = step(x, t, h)
-                    return (x.clamp(-1.0, 1.0),)
-
-            return call, ca.torch_clock(device)
-
-        return build
-
-    return {
-        "torch_eager": ca.System(torch_build(False)),
-        "flame": ca.System(flame_build, ca.flame_scope(backend)),
-        "torch_compile": ca.System(torch_build(True), skip=ca.torch_compile_skip(backend)),
-    }
-
-
-def sampling_section(backend: str, cases, timing) -> dict:
-    rows = []
-    for case in cases:
-        label = f"{case[0]} {case[1]} {case[2]}x{case[2]}, {case[3]} images, {case[4]} steps"
-        progress(f"sampling {label}")
-        results = ca.run_systems(sampling_systems(case, backend), timing, ("samples",), backend)
-        for entry in results.values():
-            if entry.get("ms"):
-                entry["images_per_s"] = case[3] * 1e3 / entry["ms"]
-        found = ca.ratios(results, backend, "")
-        rows.append({"label": label, "results": results, "ratios": found,
-                     "targets": targets_met(TARGETS["sampling"], found)})  # fmt: skip
-    return {"guidance": GUIDANCE, "rows": rows}
 
 
 def fmt(value, form: str = ".2f", suffix: str = "") -> str:
