@@ -237,6 +237,7 @@ def test_a_size_caused_change_is_named_by_its_field(cuda_backend, monkeypatch):
     (small,), (large,) = _lowered([_draw(16) * 2.0]), _lowered([_draw(17) * 2.0])
     reason = compile_reason(large.spec, small.spec)
     assert reason.startswith(f"same size class {small.spec.size_class!r}"), reason
+    assert "16LL" in reason and "17LL" in reason, reason  # where: the literal itself
     differences = spec_differences(small.spec, large.spec)
     assert differences and all(line.startswith(("body[", "tail[")) for line in differences)
     assert "16LL" in differences[0] and "17LL" in differences[0], differences

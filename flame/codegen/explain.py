@@ -44,7 +44,11 @@ def compile_reason(spec, earlier) -> str:
         )
     if not changed:
         return "the same code as the last kernel of these operations (not in the cache)"
-    return f"same size class {spec.size_class!r}; changed: {', '.join(changed)}"
+    # within one class the code should not change with sizes: say where it did (the first
+    # line that differs often holds the size, e.g. a literal offset)
+    first = spec_differences(earlier, spec)[:1]
+    detail = f" (first: {first[0]})" if first else ""
+    return f"same size class {spec.size_class!r}; changed: {', '.join(changed)}{detail}"
 
 
 def _short(value, limit: int = 100) -> str:
