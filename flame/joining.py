@@ -14,13 +14,18 @@ from flame.views import expand, flip, narrow, normalize_axis, reshape, unsqueeze
 
 
 def cat(tensors, dim: int = 0) -> Tensor:
+    """PyTorch's ``cat``: the dtype promoted over every piece, and a 1-d empty piece of
+    shape [0] joins tensors of any shape (PyTorch's legacy rule). Other pieces empty along
+    ``dim`` stay in the graph, checked; the executor leaves them out of the copy
+    (flame/runtime/empty_values.py)."""
     tensors = list(tensors)
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
         raise TypeError("cat: expected a non-empty sequence of flame.Tensor")
-    axis = normalize_axis(dim, tensors[0].ndim, "cat")
     common = tensors[0].dtype
     for tensor in tensors[1:]:
         common = dtypes.promote(common, tensor.dtype)
+    tensors = [tensor for tensor in tensors if tensor.shape != (0,)] or tensors[:1]
+    axis = normalize_axis(dim, tensors[0].ndim, "cat")
     tensors = [tensor.to(common) for tensor in tensors]
     if len(tensors) == 1:
         return tensors[0]

@@ -35,10 +35,16 @@ def vector_norm(x: Tensor, ord=2, dim=None, keepdim: bool = False, dtype=None) -
     axes = normalize_axes(dim, x.ndim, "norm")
     order = float(ord)
     magnitude = x.abs()
-    if order == math.inf:
-        return R.amax(magnitude, axes, keepdim)
-    if order == -math.inf:
-        return R.amin(magnitude, axes, keepdim)
+    if order in (math.inf, -math.inf):
+        empty = [axis for axis in axes if x.shape[axis] == 0]
+        if empty:  # a max/min over nothing: refused, as PyTorch refuses it
+            over = "the whole tensor" if dim is None else f"dim {empty[0]}"
+            raise RuntimeError(
+                f"norm: cannot take the {ord} norm of {x.dtype.name}{list(x.shape)} over "
+                f"{over}, which is empty (the operation has no identity)"
+            )
+        pick = R.amax if order == math.inf else R.amin
+        return pick(magnitude, axes, keepdim)
     if order == 0:
         return R.sum((x != 0).to(x.dtype), axes, keepdim)
     if order == 1:

@@ -43,15 +43,21 @@ def _dim(dim, axis, name: str):
     return axis
 
 
-def _nonempty(x: Tensor, axes, dim, name: str) -> None:
+class EmptyArgReductionError(IndexError, RuntimeError):
+    """argmax/argmin of an empty tensor without ``dim``: PyTorch raises an IndexError there
+    (a RuntimeError for amax and max); this is both."""
+
+
+def _nonempty(x: Tensor, axes, dim, name: str, whole=RuntimeError) -> None:
     """max/min-like reductions have no identity: over an empty axis they refuse, as PyTorch
-    does (IndexError with a dim, RuntimeError over the whole of an empty tensor)."""
+    does (IndexError with a dim; over the whole of an empty tensor ``whole``: RuntimeError,
+    ``EmptyArgReductionError`` for argmax/argmin)."""
     empty = [axis for axis in axes if x.shape[axis] == 0]
     if not empty:
         return
     shape = list(x.shape)
     if dim is None:
-        error = RuntimeError(
+        error = whole(
             f"{name}: cannot reduce an empty tensor of shape {shape} without dim= "
             "(the reduction has no identity)"
         )
@@ -130,6 +136,7 @@ def max(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
     dim = _dim(dim, axis, "max")
     if dim is None:
         return _reduce("reduce_max", x, None, False, "max")
+    _nonempty(x, _axes(x, dim, "max"), dim, "max")  # named as the user's call
     return _at_indices(x, argmax(x, dim, keepdim=True), dim, keepdim)
 
 
@@ -141,6 +148,7 @@ def min(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
     dim = _dim(dim, axis, "min")
     if dim is None:
         return _reduce("reduce_min", x, None, False, "min")
+    _nonempty(x, _axes(x, dim, "min"), dim, "min")  # named as the user's call
     return _at_indices(x, argmin(x, dim, keepdim=True), dim, keepdim)
 
 
@@ -246,7 +254,7 @@ def all(x, dim=None, keepdim=False, *, axis=None):  # noqa: A001
 
 def _arg(x: Tensor, dim, keepdim, pick, name) -> Tensor:
     if dim is None:
-        _nonempty(x, _axes(x, None, name), None, name)
+        _nonempty(x, _axes(x, None, name), None, name, EmptyArgReductionError)
         flat = reshape(x, (-1,))
         return (
             _arg(flat, 0, False, pick, name)

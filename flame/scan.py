@@ -10,6 +10,8 @@ gradient reaches the selected positions only.
 from __future__ import annotations
 
 from flame.amp.autocast_mode import full_precision
+from flame.backend import backend as use_backend
+from flame.creation import zeros
 from flame.indexing import take_along_dim
 from flame.ir import dtypes
 from flame.ir.ops import scan as _declarations  # noqa: F401  (registers the ops)
@@ -59,6 +61,10 @@ def logcumsumexp(input: Tensor, dim: int) -> Tensor:  # noqa: A002
 def _cumulative_extreme(op: str, x, dim, largest: bool) -> ValuesIndices:
     checked_tensor(op, x)
     axis = normalize_axis(dim, x.ndim, op)
+    if x.numel() == 0:  # no running extreme to find: empty results, as PyTorch's
+        with use_backend(x.backend):
+            indices = zeros(x.shape, dtype=dtypes.int64)
+        return ValuesIndices(take_along_dim(x, indices, axis), indices)
     indices = apply_op("cumextreme_index", x, dim=axis, largest=largest)
     if x.ndim == 0:
         return ValuesIndices(x, indices)

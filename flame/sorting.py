@@ -9,7 +9,10 @@ NaN sorts as the largest value.
 
 from __future__ import annotations
 
+from flame.backend import backend as use_backend
+from flame.creation import zeros
 from flame.indexing import take_along_dim
+from flame.ir import dtypes
 from flame.ir.ops import scan as _declarations  # noqa: F401  (registers argsort)
 from flame.ir.shapes import ShapeError
 from flame.reductions import ValuesIndices
@@ -52,6 +55,12 @@ def topk(input: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: boo
             f"topk: k ({k!r}) must be in [0, {size}] for dim {dim} of input "
             f"{input.dtype.name}{list(input.shape)}"
         )
+    if k == 0 and input.ndim:  # nothing to select: no sort
+        shape = list(input.shape)
+        shape[axis] = 0
+        with use_backend(input.backend):
+            indices = zeros(tuple(shape), dtype=dtypes.int64)
+        return ValuesIndices(take_along_dim(input, indices, axis), indices)
     indices, axis = _order("topk", input, axis, largest)
     if input.ndim == 0:
         return ValuesIndices(input, indices)

@@ -25,7 +25,8 @@ from flame.records import Record, field
 from flame.runtime import events, plan_store, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import target_arch
-from flame.runtime.launch import Launch
+from flame.runtime.empty_values import empty_steps, is_empty, without_empty_reads
+from flame.runtime.launch import Launch, _cupy_dtype
 from flame.runtime.siblings import SiblingCompiler
 from flame.runtime.storage import PlannedInput, Storage
 from flame.runtime.walks import RecordedWalk, linearize, record_walk
@@ -73,9 +74,17 @@ class LibraryCall(Record, frozen=True):
             views.append(view)
         return cls(node, tuple(inputs), slot_of[id(node)], tuple(views))
 
+    @classmethod
+    def empty(cls, node: Node, slot_of) -> LibraryCall:
+        """The step of a value without elements: an empty array, no kernel (``execute``)."""
+        return cls(node, (), slot_of[id(node)])
+
     def execute(self, slots: list) -> None:
         from flame.runtime.library import run_library, strided_array
 
+        if self.node.numel == 0:  # nothing to compute: no kernel, no library call
+            slots[self.output] = _empty_array(self.node)
+            return
         arrays = [
             slots[slot] if view is None
             else strided_array(slots[slot], view.shape, view.strides, view.offset)
@@ -341,10 +350,7 @@ class Executor:
         start = time.perf_counter()
         self.siblings.busy()  # background lowering waits until planning is done
         observed = bool(events.active())
-        pending, inputs = _over_stand_ins(pending, inputs)
-        graph = run_pipeline(Graph(tuple(pending)), record=observed)
-        if observed:
-            graph, passes = graph
+        graph, passes, inputs = planned_graph(pending, inputs, record=observed)
         slot_of = {id(node): index for index, node in enumerate(inputs)}
         slot_count = len(inputs)
         lowered_groups, rows = [], []
@@ -364,7 +370,8 @@ class Executor:
         self.siblings.submit(rows)
         kernels = iter(lowered_groups)
         launches = tuple(
-            LibraryCall.plan(group.nodes[0], slot_of) if group.kind == "library"
+            LibraryCall.empty(group.nodes[0], slot_of) if is_empty(group)
+            else LibraryCall.plan(group.nodes[0], slot_of) if group.kind == "library"
             else Launch.plan(next(kernels), next(functions), slot_of)
             for group in graph.groups
         )  # fmt: skip
@@ -395,6 +402,25 @@ class Executor:
         return functions
 
 
+def planned_graph(pending: list[Node], inputs: list[Node], record: bool = False):
+    """``(graph, passes, inputs)``: the graph a plan runs, over stand-ins of its inputs
+    (``_over_stand_ins``), after the pass pipeline (its records when ``record``), with every
+    group that writes no element split into steps of one empty value each (``is_empty``:
+    no kernel, no library call). Needs no GPU."""
+    pending, inputs = _over_stand_ins(pending, inputs)
+    graph = run_pipeline(Graph(tuple(pending)), record=record)
+    passes = None
+    if record:
+        graph, passes = graph
+    return empty_steps(graph), passes, inputs
+
+
+def _empty_array(node: Node):
+    import cupy
+
+    return cupy.ndarray(node.shape, _cupy_dtype(node.dtype))
+
+
 def _over_stand_ins(pending: list[Node], inputs: list[Node]) -> tuple[list[Node], list[Node]]:
     """The graph rebuilt over stand-ins of its inputs (``PlannedInput``: type and layout, no
     memory), for a plan to keep: neither its graph nor its library calls hold the caller's
@@ -411,7 +437,8 @@ def _over_stand_ins(pending: list[Node], inputs: list[Node]) -> tuple[list[Node]
         if id(node) not in mapped:  # rebuilt, even over the same inputs: the caller's nodes
             # get their results memoized in ``buffer`` once this plan ran
             inputs = tuple(mapped[id(child)] for child in node.inputs)
-            mapped[id(node)] = Node(node.op, inputs, node.attrs, node.dtype, node.shape, node.site)
+            rebuilt = Node(node.op, inputs, node.attrs, node.dtype, node.shape, node.site)
+            mapped[id(node)] = without_empty_reads(rebuilt)
     return [mapped[id(node)] for node in pending], stand_ins
 
 
