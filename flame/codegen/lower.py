@@ -8,7 +8,9 @@ from flame.ir.graph import Group
 
 def lower_group(group: Group, layout_of) -> Lowered:
     if group.kind == "elementwise":
-        return lower_elementwise(group, layout_of)
+        from flame.codegen.transpose import lower_transposing
+
+        return lower_transposing(group, layout_of) or lower_elementwise(group, layout_of)
     if group.kind == "reduce":
         # imported here: a process whose first kernels are elementwise (a warm start's first
         # result) does not pay for the four reduction modules
