@@ -51,6 +51,14 @@ class RecordingExecutor(Executor):
         return [("function of", key) for _, _, key, _ in sources]
 
 
+class CompilingExecutor(RecordingExecutor):
+    """Also compiles each plan's kernels with NVRTC into its kernel cache (no module load)."""
+
+    def _load(self, sources):
+        self.kernels.cubins(sources)
+        return super()._load(sources)
+
+
 def _realize_on_reference(nodes):
     reference.realize(nodes, lambda dtype, array: Storage("cuda", dtype, host=array))
 
@@ -146,6 +154,24 @@ def test_a_same_class_shape_compiles_nothing(cpu_planning):
         kernels = planned_kernels(cpu_planning, step, shape)
         new = [f"{name} [{spec.size_class}]" for name, key, spec in kernels if key not in keys]
         assert not new, f"{shape}: new kernels after {SHAPES[0]}: {new}"
+
+
+def test_a_new_size_runs_no_nvrtc_compile(cpu_planning, nvrtc):
+    """The step's kernels compiled by NVRTC at the first shape; at a new batch and a new
+    resolution every kernel is a hit of the kernel cache, and no NVRTC compile runs."""
+    executor = CompilingExecutor(cpu_planning.kernels)
+    executor.loaded = []
+    executor_module._executor = executor  # the fixture's monkeypatch restores the original
+    step = _diffusion_step()
+    planned_kernels(executor, step, SHAPES[0])
+    stats = executor.kernels.stats
+    compiled, hits = stats.compiles, stats.memory_hits
+    assert compiled > 0
+    for shape in (SHAPES[1], SHAPES[3]):
+        planned_kernels(executor, step, shape)
+        new = [name for name, origin, _ in stats.events[compiled:] if origin == "compiled"]
+        assert stats.compiles == compiled, f"{shape}: compiled {new}"
+    assert stats.memory_hits > hits
 
 
 def test_draw_offsets_are_launch_arguments(cpu_planning):
