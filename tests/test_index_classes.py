@@ -516,7 +516,7 @@ def test_gpu_elementwise_past_2_31(cuda_backend):
 @pytest.mark.gpu
 def test_gpu_row_sum_past_2_31(cuda_backend):
     x = _pattern(BIG_ROWS).realize()
-    sums = fl.sum(x, -1).numpy()  # int64, one a row
+    sums = fl.sum(x, -1).numpy()  # int64, one a row (every row: the whole tensor is read)
     assert sums.shape == (BIG_ROWS,)
     for row in (0, 2**31 // ROW - 1, 2**31 // ROW, BIG_ROWS - 1):
         expected = _expected(row * ROW, (row + 1) * ROW).astype(np.int64).sum()
@@ -534,11 +534,23 @@ def test_gpu_gather_past_2_31(cuda_backend):
 
 
 @pytest.mark.gpu
+def test_gpu_cat_past_2_31(cuda_backend):
+    """cat (a CuPy copy) into 2**31 + 8192 int8, and a kernel reading its far end."""
+    half = BIG_ROWS // 2
+    x = _pattern(half).realize()
+    joined = (fl.cat([x, x], 0) + 1).realize()
+    for row in (0, half - 1, half, 2**31 // ROW, BIG_ROWS - 1):
+        start = (row % half) * ROW
+        window = joined[row].numpy()
+        np.testing.assert_array_equal(window, _expected(start, start + ROW) + 1, err_msg=str(row))
+
+
+@pytest.mark.gpu
 def test_gpu_bfloat16_softmax_rows_past_2_31(cuda_backend):
     """A row kernel (two passes over each row) over 2**31 + 2**20 bfloat16 (4 GiB)."""
     rows = 2**21 + 2**10
-    x = (fl.arange(rows * ROW) % 8).to(fl.bfloat16).reshape(rows, ROW)
-    out = F.softmax(x, -1)
+    x = (fl.arange(rows * ROW) % 8).to(fl.bfloat16).reshape(rows, ROW).realize()
+    out = F.softmax(x, -1).realize()  # the whole tensor, not only the rows read below
     last = out[-2:].to(fl.float32).numpy()
     row = (np.arange((rows - 2) * ROW, rows * ROW) % 8).astype(np.float64).reshape(2, ROW)
     expected = np.exp(row - row.max(-1, keepdims=True))

@@ -399,3 +399,26 @@ def test_gpu_empty_results_launch_and_compile_nothing(name, cuda_backend):
     assert not working, f"{name}: steps that do work: {working}"
     kernels = [data["name"] for kind, data in seen if kind == "kernel"]
     assert not kernels, f"{name}: kernels compiled or loaded: {kernels}"
+
+
+BACKWARD = {
+    "sum-over-empty-axis": (lambda x: fl.sum(x * x, 1), (3, 0), (3,)),
+    "mean-of-no-rows": (lambda x: fl.mean(x, 0), (0, 4), (4,)),
+    "softmax-no-rows": (lambda x: F.softmax(x, -1), (0, 5), (0, 5)),
+    "layer_norm-no-rows": (lambda x: F.layer_norm(x, (4,)), (0, 4), (0, 4)),
+    "matmul-K0": (lambda x: x @ fl.from_numpy(np.ones((0, 4), np.float32)), (3, 0), (3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARD))
+def test_cuda_plan_of_gradients_does_no_work_over_empty_values(name, cuda_backend):
+    """The backward graph (fl.vjp) of a function of an empty tensor: its empty gradient is
+    an empty step, and nothing in the plan reads an empty value."""
+    function, shape, out_shape = BACKWARD[name]
+    x = fl.from_numpy(np.ones(shape, np.float32))
+    out, pullback = fl.vjp(function, x)
+    (grad,) = pullback(fl.from_numpy(np.ones(out_shape, np.float32)))
+    assert grad.shape == shape
+    graph = planned([out, grad])
+    problems = plan_problems(graph)
+    assert not problems, f"{name}:\n" + "\n".join(problems)
