@@ -5,7 +5,7 @@ One table of cases over every public op family (elementwise and broadcasting wit
 every reduction with and without ``dim``/``keepdim``, softmax over a 0-length row, norms,
 matmul with K, M or N of 0, convolution with batch 0, ``cat`` with an empty piece, indexing
 with an empty index, scans, sorts, losses), each built the same way with FLAME and with
-PyTorch. Three tests read it:
+PyTorch. Tests that read it:
 
 * the reference backend against PyTorch: shapes, dtypes, values, and the same error class
   where PyTorch refuses (a max over nothing has no identity);
@@ -13,7 +13,12 @@ PyTorch. Three tests read it:
   ``Executor._plan`` lowers and launches): a value without elements is a step that makes an
   empty array (no kernel, no compile, no library call), and no kernel or library call that
   is left reads an empty value; a result that is entirely empty plans no kernel at all;
-* the gpu tier: the same table run on the GPU against PyTorch.
+* the gpu tier: the same table run on the GPU against PyTorch, and for results that are
+  entirely empty, no kernel compiled, loaded or launched (the plan's events).
+
+A reduction's identity over an empty axis is a constant in the plan: what is left of it is
+one kernel that reads nothing and writes the constant (as ``fl.full`` is written), never a
+reduction kernel. The gradients of functions of empty tensors plan no work over them either.
 """
 
 from __future__ import annotations
