@@ -219,14 +219,48 @@ extern "C" __global__ void {name}(const {types[source]}* __restrict__ source,
 """
 
 
+VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+
+def cat_source(name: str, count: int, vector_bytes: int, offset: str) -> str:
+    """``cat`` of ``count`` contiguous inputs: the result seen as [outer, width] (width: the
+    joined axis times everything inside it), input k as [outer, width_k], all in vectors of
+    ``vector_bytes``. Each vector of the result is read from the one input whose columns
+    hold it: both sides walk memory in order (one launch for the whole join)."""
+    data = VECTOR_TYPES[vector_bytes]
+    params = ", ".join(
+        f"const {data}* __restrict__ in{k}, offset_t end{k}, offset_t width{k}"
+        for k in range(count)
+    )
+    picks = []
+    for k in range(count):
+        start = f"end{k - 1}" if k else "0"
+        condition = f"if (column < end{k}) " if k < count - 1 else ""
+        keyword = "else " if k else ""
+        picks.append(f"{keyword}{condition}value = in{k}[row * width{k} + (column - {start})];")
+    pick = "\n        ".join(picks)
+    return f"""typedef {offset} offset_t;
+extern "C" __global__ void {name}({data}* __restrict__ out, offset_t total, offset_t width,
+        {params}) {{
+    {LOOP}
+        const offset_t row = flat / width;
+        const offset_t column = flat - row * width;
+        {data} value;
+        {pick}
+        out[flat] = value;
+    }}
+}}
+"""
+
+
 _functions: dict[tuple, object] = {}
 _modules: list = []  # a loaded module must outlive its functions
 _lock = threading.Lock()
 
 
 def kernel(kind: str, *key):
-    """The loaded CUDA function of ``kind`` (gather, scatter_add, check, convert) for ``key``, the
-    generator's arguments after the kernel name."""
+    """The loaded CUDA function of ``kind`` (gather, scatter_add, check, convert, cat) for
+    ``key``, the generator's arguments after the kernel name."""
     signature = (kind, *key)
     function = _functions.get(signature)
     if function is not None:
@@ -241,6 +275,7 @@ def kernel(kind: str, *key):
         "scatter_add": scatter_add_source,
         "convert": convert_source,
         "check": check_source,
+        "cat": cat_source,
     }
     source = generate[kind](name, *key)
     _, cubin = default_kernel_cache().cubin(source, name)

@@ -2,24 +2,56 @@
 
 from __future__ import annotations
 
+import math
+
 from flame.runtime.library import implements
 
 
 @implements("cat")
 def cat(node, arrays):
+    """One FLAME kernel for the whole join where every piece is C-contiguous (CuPy's
+    concatenate launches a copy per piece, through its generic strided copy, and uploads a
+    table of its inputs, which a CUDA-graph capture refuses); CuPy for the rest."""
     import cupy
 
     dim = node.attr("dim")
-    if not cupy.cuda.get_current_stream().is_capturing():
-        return cupy.ascontiguousarray(cupy.concatenate(arrays, axis=dim))
-    # under a CUDA-graph capture (flame/runtime/step_graphs.py): CuPy's concatenate uploads a table
-    # of its inputs, which a capture refuses; one copy kernel per input instead
+    pieces = [array for array in arrays if array.size]
+    if pieces and all(array.flags.c_contiguous for array in pieces):
+        return _joined(node, pieces, dim)
     out = cupy.empty(node.shape, dtype=arrays[0].dtype)
     start = 0
-    for array in arrays:
+    for array in arrays:  # one copy kernel per input (no table upload: capturable)
         end = start + array.shape[dim]
         out[(slice(None),) * dim + (slice(start, end),)] = array
         start = end
+    return out
+
+
+def _joined(node, pieces, dim: int):
+    import cupy
+
+    from flame.runtime import indexing_kernels as kernels
+
+    out = cupy.empty(node.shape, dtype=pieces[0].dtype)
+    if out.size == 0:
+        return out
+    outer = math.prod(node.shape[:dim])
+    widths = [array.size // outer * array.itemsize for array in pieces]  # bytes a row
+    vector = next(
+        size for size in (16, 8, 4, 2, 1)
+        if size >= min(out.itemsize, 16)
+        and all(width % size == 0 for width in widths)
+        and all(array.data.ptr % size == 0 for array in (out, *pieces))
+    )  # fmt: skip
+    total = out.nbytes // vector
+    offset = "int" if total + 2**24 <= kernels.INT32_LIMIT else "long long"
+    function = kernels.kernel("cat", len(pieces), vector, offset)
+    arguments = [out, kernels.scalar(offset, total), kernels.scalar(offset, sum(widths) // vector)]
+    end = 0
+    for array, width in zip(pieces, widths):
+        end += width // vector
+        arguments += [array, kernels.scalar(offset, end), kernels.scalar(offset, width // vector)]
+    kernels.launch(function, total, arguments)
     return out
 
 

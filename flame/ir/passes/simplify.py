@@ -269,6 +269,22 @@ def _slice_inside_pad(node: Node, pad: Node) -> Node | None:
     return make_node("slice", (source,), attrs, node.site)
 
 
+def _cat_of_permutes(node: Node) -> Node | None:
+    """``cat`` of pieces that are all the same permute of their values (a UNet's skip join
+    of two channels-last conv results, each seen as NCHW) is that permute of the ``cat`` of
+    the values, joined along the axis the permute maps the dim to: the join copies memory in
+    its own order instead of transposing every piece into a layout nothing wrote."""
+    pieces = node.inputs
+    if len(pieces) < 2 or any(piece.op != "permute" for piece in pieces):
+        return None
+    dims = pieces[0].attr("dims")
+    if any(piece.attr("dims") != dims for piece in pieces[1:]):
+        return None
+    values = tuple(piece.inputs[0] for piece in pieces)
+    joined = make_node("cat", values, {"dim": dims[node.attr("dim")]}, node.site)
+    return make_node("permute", (joined,), {"dims": dims}, node.site)
+
+
 def _same(first: Node, second: Node) -> bool:
     return (
         first.op == second.op and first.attrs == second.attrs
@@ -298,6 +314,8 @@ def simplify(graph: Graph) -> Graph:
                 replacement = _fold(node)
             elif kind == "movement":
                 replacement = _identity_movement(node, keep, rows, shared)
+            elif node.op == "cat":
+                replacement = _cat_of_permutes(node)
             if replacement is None:
                 replacement = _identity(node)
             if replacement is None:
