@@ -27,6 +27,9 @@ def test_cat_kernels_compile(nvrtc):
         source = indexing_kernels.cat_source(name, count, vector, offset)
         assert source.count("const offset_t") >= 2 and f"in{count - 1}" in source
         nvrtc_compile(source, name, "sm_90")
+    for rank, vector, offset in ((1, 16, "int"), (3, 2, "int"), (4, 1, "long long")):
+        name = f"copy_{rank}_{vector}"
+        nvrtc_compile(indexing_kernels.copy_source(name, rank, vector, offset), name, "sm_90")
 
 
 def test_a_join_of_permuted_pieces_joins_their_values(cuda_backend, rng):
@@ -73,6 +76,23 @@ def test_permuted_pieces_values(backend, rng):
     )
     expected = np.concatenate([np.exp(a), np.exp(b)], axis=3).transpose(0, 3, 1, 2)
     np.testing.assert_allclose(joined.numpy(), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_strided_pieces_and_pads(backend, rng, dtype):
+    """Pieces in different orders (a transposed one, a sliced one) and a pad's interior go
+    through the strided copy kernel."""
+    a = fl.tensor(_array(rng, (4, 6, 8))).to(getattr(fl, dtype))
+    b = fl.tensor(_array(rng, (4, 8, 6))).to(getattr(fl, dtype))
+    c = fl.tensor(_array(rng, (4, 6, 16))).to(getattr(fl, dtype))
+    pieces = [a * 1, (b * 1).permute(0, 2, 1), (c * 1)[:, :, 1::2], (c * 1)[:, :, :3]]
+    joined = fl.cat(pieces, 2)
+    expected = np.concatenate([p.numpy() for p in pieces], axis=2)
+    np.testing.assert_array_equal(joined.numpy(), expected)
+    padded = fl.nn.functional.pad((b * 1).permute(0, 2, 1), (1, 2, 3, 0), value=0.0)
+    np.testing.assert_array_equal(
+        padded.numpy(), np.pad(expected[:, :, 8:16], ((0, 0), (3, 0), (1, 2)))
+    )
 
 
 @pytest.mark.gpu

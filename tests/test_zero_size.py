@@ -192,10 +192,7 @@ CASE_IDS = [case.name for case in CASES]
 
 # FLAME's gaps in files this suite's author does not own: the tests run and must fail until
 # fixed (strict), with what to change
-XFAILS = {
-    "group_norm-batch0": "flame/nn/functional.py group_norm reshapes x to (batch, groups, "
-    "C/G, -1): with batch 0 the -1 is ambiguous (ShapeError); use prod(x.shape[2:]) instead",
-}
+XFAILS: dict[str, str] = {}
 # built on the CUDA backend without a GPU: not the cases that read values while building
 # (a sync), nor the known gaps (they fail to build on every backend)
 PLANNED = [case for case in CASES if not case.reads_values and case.name not in XFAILS]
@@ -397,8 +394,9 @@ def test_gpu_empty_results_launch_and_compile_nothing(name, cuda_backend):
     with events.recording(lambda kind, data: seen.append((kind, data))):
         kind, results = outcome(case.build, flame_lib())
     assert kind == "ok" and all(result.size == 0 for result in results), (name, results)
+    # a result may need no plan at all (an empty value realized where it is made): then no
+    # step runs either
     plans = [data["plan"] for kind, data in seen if kind == "plan"]
-    assert plans, f"{name}: nothing was planned"
     steps = [step for plan in plans for step in plan.launches]
     working = [step for step in steps if not isinstance(step, LibraryCall) or step.node.numel]
     assert not working, f"{name}: steps that do work: {working}"

@@ -9,7 +9,7 @@ from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
 from flame.indexing import checked_targets, embedding, one_hot
-from flame.ir.shapes import ShapeError
+from flame.ir.shapes import ShapeError, prod
 from flame.tensor import Tensor
 from flame.views import channels_innermost, reshape
 
@@ -121,7 +121,7 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
         # as [N, G, C/G * S], which is no strided view of that memory, the input is copied to
         # the group-major order first and the rows then read whole (issue 21's notes measure
         # both; a kernel that reads channels-last groups coalesced is still to come)
-        grouped = reshape(x, (batch, num_groups, -1))
+        grouped = reshape(x, (batch, num_groups, prod(x.shape[1:]) // num_groups))
         centered = grouped - R.mean(grouped, 2, keepdim=True)
         variance = R.mean(centered * centered, 2, keepdim=True)
         result = reshape(centered * (variance + eps).rsqrt(), x.shape)
@@ -131,7 +131,7 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
         if bias is not None:
             result = result + reshape(bias, affine)
         return result
-    grouped = reshape(x, (batch, *per_group, -1))
+    grouped = reshape(x, (batch, *per_group, prod(x.shape[2:])))  # -1 is ambiguous at batch 0
     centered = grouped - R.mean(grouped, (2, 3), keepdim=True)
     variance = R.mean(centered * centered, (2, 3), keepdim=True)
     result = centered * (variance + eps).rsqrt()

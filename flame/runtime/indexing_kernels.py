@@ -17,6 +17,7 @@ FLAME's kernel cache (NVRTC, memory and disk), like the fused kernels.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -253,6 +254,57 @@ extern "C" __global__ void {name}({data}* __restrict__ out, offset_t total, offs
 """
 
 
+def copy_source(name: str, rank: int, vector_bytes: int, offset: str) -> str:
+    """A strided copy of raw bits (vectors of ``vector_bytes``) between two views: a piece of
+    a ``cat`` that is not contiguous, a ``pad``'s interior."""
+    data = VECTOR_TYPES[vector_bytes]
+    names = ("source", "out")
+    return f"""typedef {offset} offset_t;
+extern "C" __global__ void {name}(const {data}* __restrict__ source, {data}* __restrict__ out,
+        offset_t total, {_axis_params(rank, names)}) {{
+    {LOOP}
+        {_coordinates(rank, names)}
+        out[out_offset] = source[source_offset];
+    }}
+}}
+"""
+
+
+def strided_copy(source, target) -> None:
+    """``target[...] = source`` for two CuPy views of one shape (any strides, one dtype)."""
+    item = source.itemsize
+    sizes, (source_strides, target_strides) = collapse(
+        source.shape,
+        [stride // item for stride in source.strides],
+        [stride // item for stride in target.strides],
+    )
+    vector = item
+    if source_strides[-1] == 1 and target_strides[-1] == 1:
+        for size in (16, 8, 4, 2):
+            lanes = size // item
+            if size <= item or sizes[-1] % lanes:
+                continue
+            steps = list(source_strides[:-1]) + list(target_strides[:-1])
+            if all(step % lanes == 0 for step in steps) and all(
+                array.data.ptr % size == 0 for array in (source, target)
+            ):
+                vector = size
+                break
+    lanes = vector // item
+    if lanes > 1:  # the innermost axis (stride 1 on both sides) in vectors
+        sizes = (*sizes[:-1], sizes[-1] // lanes)
+        source_strides = (*(s // lanes for s in source_strides[:-1]), 1)
+        target_strides = (*(s // lanes for s in target_strides[:-1]), 1)
+    total = math.prod(sizes)
+    offset = offset_type(total, sizes, (source_strides, target_strides))
+    function = kernel("copy", len(sizes), vector, offset)
+    arguments = [source, target, scalar(offset, total)]
+    for size, source_stride, target_stride in zip(sizes, source_strides, target_strides):
+        arguments += [scalar(offset, size), scalar(offset, source_stride)]
+        arguments += [scalar(offset, target_stride)]
+    launch(function, total, arguments)
+
+
 _functions: dict[tuple, object] = {}
 _modules: list = []  # a loaded module must outlive its functions
 _lock = threading.Lock()
@@ -276,6 +328,7 @@ def kernel(kind: str, *key):
         "convert": convert_source,
         "check": check_source,
         "cat": cat_source,
+        "copy": copy_source,
     }
     source = generate[kind](name, *key)
     _, cubin = default_kernel_cache().cubin(source, name)

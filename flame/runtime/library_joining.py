@@ -18,11 +18,14 @@ def cat(node, arrays):
     pieces = [array for array in arrays if array.size]
     if pieces and all(array.flags.c_contiguous for array in pieces):
         return _joined(node, pieces, dim)
+    from flame.runtime.indexing_kernels import strided_copy
+
     out = cupy.empty(node.shape, dtype=arrays[0].dtype)
     start = 0
-    for array in arrays:  # one copy kernel per input (no table upload: capturable)
+    for array in arrays:  # a strided copy per piece (no table upload: capturable)
         end = start + array.shape[dim]
-        out[(slice(None),) * dim + (slice(start, end),)] = array
+        if array.size:
+            strided_copy(array, out[(slice(None),) * dim + (slice(start, end),)])
         start = end
     return out
 
@@ -67,7 +70,10 @@ def pad(node, arrays):
         import numpy as np
 
         value = int(np.array(value, dtype=ml_dtypes.bfloat16).view(np.uint16))
+    from flame.runtime.indexing_kernels import strided_copy
+
     out = cupy.full(node.shape, value, dtype=array.dtype)
     inside = tuple(slice(low, low + size) for (low, _), size in zip(widths, array.shape))
-    out[inside] = array
+    if array.size:
+        strided_copy(array, out[inside])
     return out
