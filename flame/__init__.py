@@ -8,6 +8,7 @@ from flame import (
     backends,  # noqa: F401  (flame.backends.cudnn.enabled, as torch.backends)
     devices,  # noqa: F401  (x.device, x.to(device), x.cpu(), x.cuda())
     dtype_views,  # noqa: F401  (Tensor.double/byte/char/short/type)
+    func,  # noqa: F401  (flame.func.grad/vjp/grad_and_value, as torch.func)
     inplace_ops,  # noqa: F401  (add_, copy_, e += p, x[i] = v, ...)
     interop,  # noqa: F401  (data_ptr, __dlpack__, __cuda_array_interface__)
     nn,  # noqa: E402  (after the tensor methods it uses exist)
@@ -23,8 +24,6 @@ from flame.autograd import (
     inference_mode,
     is_grad_enabled,
     no_grad,
-    value_and_grad,
-    vjp,
 )  # fmt: skip
 from flame.backend import backend, get_backend, synchronize
 from flame.compile import TraceError, compile  # noqa: A004 (flame.compile, as torch.compile)
@@ -56,6 +55,7 @@ from flame.creation import (
 from flame.determinism import are_deterministic_algorithms_enabled, use_deterministic_algorithms
 from flame.devices import device
 from flame.foreach import ForeachError, foreach
+from flame.func import value_and_grad, vjp
 from flame.functional import *  # noqa: F403
 from flame.functional import __all__ as _functional_names
 from flame.functional import clamp
@@ -180,7 +180,7 @@ __all__ = [
     "index_tensor", "masked_fill", "one_hot", "scatter_add", "take_along_dim", "expand", "flatten",
     "flip", "logsumexp", "max", "mean", "min", "narrow", "nn", "permute", "prod", "reshape",
     "squeeze", "std", "sum", "transpose", "unsqueeze", "var", "foreach", "ForeachError",
-    "optim", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
+    "optim", "func", "dump", "inference_mode", "scatter", "scatter_reduce", "nonzero",
     "masked_select", "empty", "empty_like", "device", "double", "float64", "int8", "int16",
     "short", "uint8", "einsum", "allclose", "isclose", "norm", "eye", "linspace", "logspace",
     "tril_indices", "triu_indices", "cummax", "cummin", "cumprod", "cumsum", "logcumsumexp",

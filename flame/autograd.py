@@ -337,44 +337,85 @@ def _requires_grad(self: Tensor) -> bool:
     return False
 
 
-@_at_user_line
-def backward(self: Tensor, grad: Tensor | None = None, create_graph: bool = False) -> None:
-    """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
-    With ``create_graph`` the gradients stay differentiable (grad of grad)."""
-    site = format_site(user_site())
-    if grad is None:
-        if self.numel() != 1:
+def _tensors(value, name: str) -> tuple[Tensor, ...]:
+    """A tensor or a sequence of tensors as a tuple; anything else is a TypeError."""
+    items = (value,) if isinstance(value, Tensor) else tuple(value)
+    for index, item in enumerate(items):
+        if not isinstance(item, Tensor):
+            raise TypeError(f"{name}[{index}] is a {type(item).__name__}, not a Tensor")
+    return items
+
+
+def _seeds(outputs, given, caller: str, keyword: str) -> list[Tensor]:
+    """One cotangent per output: ``given`` (a tensor, or a sequence holding Nones) or, for a
+    one-element output left without one, ones. A mismatched shape is ``_accumulate``'s error."""
+    if given is None or isinstance(given, Tensor):
+        given = [given] * len(outputs) if given is None else [given]
+    if len(given) != len(outputs):
+        raise GradError(f"{caller}: {len(outputs)} outputs but {len(given)} {keyword}")
+    for index, (out, seed) in enumerate(zip(outputs, given)):
+        if seed is None and out.numel() != 1:
             raise GradError(
-                f"backward() on a tensor of shape {list(self.shape)} needs grad= (only a "
-                f"one-element output has an implied gradient) [at {site}]"
+                f"{caller} on a tensor of shape {list(out.shape)} needs {keyword}= (grad can "
+                "be implicitly created only for one-element outputs)"
             )
-        grad = _filled(self, 1)
-    leaves = []
-    for node in _walk([self.node]):
-        info = node.grad_info
-        owner = info.owner() if info is not None and info.owner is not None else None
-        if owner is not None:
-            leaves.append((node, owner))
-    if not leaves:
-        raise GradError(f"backward(): nothing in this graph requires grad [at {site}]")
-    total = cotangents([self], [grad], [node for node, _ in leaves], self.backend)
+        if seed is not None and not isinstance(seed, Tensor):
+            raise TypeError(f"{caller}: {keyword}[{index}] is a {type(seed).__name__}")
+    return [_filled(out, 1) if seed is None else seed for out, seed in zip(outputs, given)]
+
+
+@_at_user_line
+def backward(
+    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+    inputs=None,
+) -> None:  # fmt: skip
+    """``torch.autograd.backward``: accumulate the gradients of ``tensors`` (seeded with
+    ``grad_tensors``; ones for a one-element tensor) into ``.grad`` of every leaf that requires
+    grad, or of ``inputs``. With ``create_graph`` they stay differentiable (grad of grad).
+    ``retain_graph`` is accepted: a backward frees no FLAME graph."""
+    outputs = _tensors(tensors, "tensors")
+    given = grad_variables if grad_tensors is None else grad_tensors
+    _backward(outputs, _seeds(outputs, given, "backward()", "grad_tensors"), create_graph, inputs)
+
+
+@_at_user_line
+def _tensor_backward(
+    self, gradient=None, retain_graph=None, create_graph=False, inputs=None, *, grad=None
+) -> None:  # fmt: skip
+    """``Tensor.backward`` (``grad=`` is FLAME's older name for ``gradient=``)."""
+    seeds = _seeds([self], grad if gradient is None else gradient, "backward()", "grad")
+    _backward([self], seeds, create_graph, inputs)
+
+
+def _backward(outputs, seeds, create_graph: bool, inputs) -> None:
+    site = format_site(user_site())
+    if inputs is None:
+        nodes = [node for node in _walk([out.node for out in outputs]) if node.grad_info]
+        owners = [(node, node.grad_info.owner) for node in nodes]
+        leaves = [(node, ref()) for node, ref in owners if ref is not None and ref() is not None]
+        if not leaves:
+            raise GradError(f"backward(): nothing in this graph requires grad [at {site}]")
+    else:
+        leaves = [(t.node, t) for t in {id(t): t for t in _tensors(inputs, "inputs")}.values()]
+        if not leaves:
+            raise GradError(f"backward(): inputs= cannot be empty [at {site}]")
+    total = cotangents(outputs, seeds, [node for node, _ in leaves], outputs[0].backend)
     for node, owner in leaves:
         g = total.get(id(node))
         if g is None:
             continue
-        if not create_graph:
-            g = detach(g)
         note_grad_assignment(owner)  # flame.compile: the new .grad is an output of the program
+        g = g if create_graph else detach(g)
         owner.grad = g if owner.grad is None else owner.grad + g
-        for hook in list(node.grad_info.post_accumulate_hooks):
+        for hook in list(node.grad_info.post_accumulate_hooks if node.grad_info else ()):
             if hook(owner) is not None:
                 raise GradError("Tensor post accumulate grad hooks should return None.")
     if not create_graph:
-        _compute_now(self, [owner for _, owner in leaves])
+        _compute_now(outputs, [owner.grad for _, owner in leaves])
 
 
-def _compute_now(loss: Tensor, owners) -> None:
-    """Lazy mode computes the output and the gradients here, in one plan, as PyTorch has by
+def _compute_now(outputs, grads) -> None:
+    """Lazy mode computes the outputs and the gradients here, in one plan, as PyTorch has by
     the time ``backward()`` returns: a loss read after ``opt.step()`` wrote the weights in
     place (``loss.backward(); opt.step(); loss.item()``) is the loss of the step, not one
     recomputed from the new weights. Inside ``flame.compile`` the program orders the work."""
@@ -384,8 +425,7 @@ def _compute_now(loss: Tensor, owners) -> None:
         return
     from flame.tensor import realize
 
-    grads = [owner.grad for owner in owners if isinstance(owner.grad, Tensor)]
-    realize(loss, *grads)
+    realize(*outputs, *[g for g in grads if isinstance(g, Tensor)])
 
 
 def register_hook(self: Tensor, hook):
@@ -424,61 +464,20 @@ def zero_grad(self: Tensor) -> None:
     self.grad = None
 
 
-# --- functional transforms ----------------------------------------------------------------------
+# --- autograd.grad --------------------------------------------------------------------------
 
 
-def vjp(fn, *primals):
-    """``(outputs, vjp_fn)``: ``vjp_fn(cotangent)`` gives one cotangent per primal."""
-    outputs = fn(*primals)
-    single = isinstance(outputs, Tensor)
-    outs = [outputs] if single else list(outputs)
+def grad(outputs, *args, **kwargs):
+    """PyTorch's ``autograd.grad(outputs, inputs, grad_outputs=None, retain_graph=None,
+    create_graph=False, only_inputs=True, allow_unused=None, is_grads_batched=False,
+    materialize_grads=False)`` when ``outputs`` is a tensor or a sequence of them: a tuple of
+    gradients, no ``.grad`` written (flame/func.py, ``autograd_grad``). When it is a function,
+    FLAME's functional ``grad(fn, argnums=0, allow_unused=False, has_aux=False)``."""
+    from flame import func
 
-    @_at_user_line
-    def vjp_fn(*seeds):
-        total = cotangents(outs, list(seeds), [p.node for p in primals], outs[0].backend)
-        return tuple(_or_zeros(total.get(id(p.node)), p, True) for p in primals)
-
-    return outputs, vjp_fn
-
-
-def value_and_grad(fn, argnums=0, allow_unused: bool = False):
-    @_at_user_line
-    def wrapped(*args):
-        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        value = fn(*args)
-        if not isinstance(value, Tensor) or value.numel() != 1:
-            shown = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise GradError(f"grad: the function must return a one-element tensor, got {shown}")
-        targets = [args[i] for i in positions]
-        for target in targets:
-            if not isinstance(target, Tensor) or not target.dtype.is_float:
-                shown = target.dtype.name if isinstance(target, Tensor) else type(target).__name__
-                raise GradError(
-                    f"grad: argument to differentiate must be a float tensor, got {shown}"
-                )
-        seed = _filled(value, 1)
-        total = cotangents([value], [seed], [t.node for t in targets], value.backend)
-        grads = tuple(_or_zeros(total.get(id(t.node)), t, allow_unused) for t in targets)
-        return value, (grads[0] if isinstance(argnums, int) else grads)
-
-    return wrapped
-
-
-def grad(fn, argnums=0, allow_unused: bool = False):
-    """``grad(fn)(*args)``: the gradient of a one-element ``fn`` w.r.t. ``args[argnums]``."""
-    inner = value_and_grad(fn, argnums, allow_unused)
-    return lambda *args: inner(*args)[1]
-
-
-def _or_zeros(g, target: Tensor, allow_unused: bool):
-    if g is not None:
-        return g
-    if not allow_unused:
-        raise GradError(
-            f"a {target.dtype.name}{list(target.shape)} input does not influence the output "
-            "(pass allow_unused=True to get zeros)"
-        )
-    return _filled(target, 0)
+    if callable(outputs) and not isinstance(outputs, Tensor):
+        return func.functional_grad(outputs, *args, **kwargs)
+    return func.autograd_grad(outputs, *args, **kwargs)
 
 
 def _filled(like: Tensor, value) -> Tensor:
@@ -492,7 +491,7 @@ def _filled(like: Tensor, value) -> Tensor:
 
 Tensor.requires_grad_ = requires_grad_
 Tensor.requires_grad = property(_requires_grad, lambda self, value: requires_grad_(self, value))
-Tensor.backward = backward
+Tensor.backward = _tensor_backward
 Tensor.register_hook = register_hook
 Tensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
 Tensor.detach = detach
