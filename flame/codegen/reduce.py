@@ -58,9 +58,10 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import expand_view, reshape_view
 
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
-# 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones: off until measured (an
-# A/B for notes/probes/long_rows_bench.py --wide-half; notes/long-rows.md)
-WIDE_HALF_VECTORS = False
+# 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones. Measured on the H100
+# (notes/performance.md, session 19): a bf16 ResBlock's GroupNorm row kernels 134.6 -> 98.8 us
+# (38.8 -> 26.2 us for rows of 4,096), the UNet step 22.35 -> 22.14 ms
+WIDE_HALF_VECTORS = True
 
 
 def lower_reduce(group: Group, layout_of, cache_items: int | None = None) -> Lowered:

@@ -3,6 +3,9 @@ and eager (bench/diffusion.py's systems, same weights), every GPU kernel by the 
 profiler (CUPTI sees CuPy's launches too), grouped by kind.
 
     python notes/probes/unet_step_profile.py OUT_DIR [model size image batch [systems]]
+    python notes/probes/unet_step_profile.py OUT_DIR sampling size image images [systems]
+
+(``sampling``: the guided DDIM chain of bench/diffusion_sampling.py over 10 steps, UNet.)
 
 Writes ``profile.json`` (per system: kernels by total time, totals per kind) and prints the
 top kernels of each system.
@@ -66,10 +69,15 @@ def main() -> None:
     model, size, image, batch = (
         sys.argv[2:6] + ["unet", "full", "32", "64"][len(sys.argv[2:6]) :]
     )[:4]
-    case = (model, size, int(image), int(batch))
     report = {}
     wanted = sys.argv[6].split(",") if len(sys.argv) > 6 else None  # e.g. "flame"
-    for key, system in bd.step_systems(case, "cuda", False).items():
+    if model == "sampling":
+        from bench.diffusion_sampling import sampling_systems
+
+        systems = sampling_systems(("unet", size, int(image), int(batch), 10), "cuda")
+    else:
+        systems = bd.step_systems((model, size, int(image), int(batch)), "cuda", False)
+    for key, system in systems.items():
         if wanted and key not in wanted:
             continue
         build = system.build if hasattr(system, "build") else system
