@@ -351,6 +351,7 @@ def _seeds(outputs, given, caller: str, keyword: str) -> list[Tensor]:
     one-element output left without one, ones. A mismatched shape is ``_accumulate``'s error."""
     if given is None or isinstance(given, Tensor):
         given = [given] * len(outputs) if given is None else [given]
+    given = list(given)
     if len(given) != len(outputs):
         raise GradError(f"{caller}: {len(outputs)} outputs but {len(given)} {keyword}")
     for index, (out, seed) in enumerate(zip(outputs, given)):

@@ -82,6 +82,23 @@ def test_gradient_with_respect_to_an_intermediate_value_and_dict_inputs(backend,
         _close(got[key], expected[key])
 
 
+def test_gradients_of_module_parameters_given_as_a_generator(backend, rng, torch):
+    (array,) = _arrays(rng, (5, 4))
+    layer = fl.nn.Linear(4, 3)
+    t_layer = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        t_layer.weight.copy_(torch.tensor(layer.weight.numpy()))
+        t_layer.bias.copy_(torch.tensor(layer.bias.numpy()))
+    got = fl.autograd.grad(fl.tanh(layer(fl.tensor(array))).sum(), layer.parameters())
+    expected = torch.autograd.grad(
+        torch.tanh(t_layer(torch.tensor(array))).sum(), t_layer.parameters()
+    )
+    assert len(got) == 2
+    for actual, reference in zip(got, expected):
+        _close(actual, reference)
+    assert layer.weight.grad is None
+
+
 def test_non_scalar_output_needs_grad_outputs(backend, rng, torch):
     arrays = _arrays(rng, (3, 4))
     (x,) = _flame(arrays)
