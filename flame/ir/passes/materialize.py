@@ -67,7 +67,10 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
 # of its own size is written once: each kernel recomputing it would read them all, and along
 # a chain (a transformer's residual stream, x + a1 + a2 + ...) every later kernel would
 # re-read every earlier contribution (block k's kernels k of them: quadratic in the depth).
-WIDE_SOURCES = 4
+# 1 (was 4, session 19, H100, same machine and run): UNet b64 step 22.09 -> 20.32 ms, DiT-S/2
+# 20.55 -> 18.17 ms, DDIM sampling 296.2 -> 290.8 ms of device time, first steps 21 -> 17 s
+# and 39 -> 16 s; a ResBlock alone 430.5 -> 435.6 us (notes/dit-kernel-floors.md found it)
+WIDE_SOURCES = 1
 
 
 def _wide_reads(node: Node, chosen) -> int:
