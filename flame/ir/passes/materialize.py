@@ -29,6 +29,7 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             reasons[id(node)] = reason
 
     users: dict[int, int] = {}  # per value, the ops reading it (through views)
+    beyond: set[int] = set()  # values an op other than an elementwise one reads
     for node in graph.nodes:
         if node.op in MOVEMENT_OPS:
             continue
@@ -36,20 +37,19 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             while child.op in MOVEMENT_OPS and child.inputs:
                 child = child.inputs[0]
             users[id(child)] = users.get(id(child), 0) + 1
+            if get_op(node.op).kind != "elementwise":
+                beyond.add(id(child))
     for node in graph.nodes:  # inputs first, so inner decisions come before outer ones
         kind = get_op(node.op).kind
         if kind == "elementwise" and users.get(id(node), 0) > 1:
             wide = _wide_reads(node, chosen)
-            if wide > WIDE_SOURCES:
+            # read by a reduction or a library call too, the value is read by another kernel
+            if wide > (WIDE_SOURCES if id(node) in beyond else FUSED_WIDE_SOURCES):
                 choose(node, f"recomputing it would read {wide} values of its size")
         if kind == "library":
             choose(node, f"{node.op} runs as a library call")
             for child in node.inputs:
-                view = library_view(child)
-                if not view:
-                    choose(child, f"input of {node.op}, which reads memory")
-                elif not is_input(view[0]):
-                    choose(view[0], f"read by {node.op} through a view (no copy)")
+                _choose_library_read(node, child, chosen, choose)
         elif node.op == "expand" and not is_input(node.inputs[0]):
             source = node.inputs[0]
             cost = computed_size(source, set(chosen))
@@ -60,7 +60,32 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             follow = lambda m, top=node: m is top or id(m) not in chosen  # noqa: E731
             if resolve(node, own_view, follow) is None:
                 choose(node.inputs[0], "reshape of a layout that is not a strided view")
+    calls = [node for node in graph.nodes if get_op(node.op).kind == "library"]
+    for _ in range(len(graph.nodes) + 1):
+        # a value chosen after a library call was looked at (a later call's operand, an
+        # expand's source) may sit in its operand's chain: the call reads that value through
+        # the rest of the chain, or writes its operand where that is no view (each round
+        # adds a value, so this ends)
+        count = len(chosen)
+        for node in calls:
+            for child in node.inputs:
+                _choose_library_read(node, child, chosen, choose)
+        if len(chosen) == count:
+            break
     return chosen, reasons
+
+
+def _choose_library_read(node: Node, child: Node, chosen, choose) -> None:
+    """What the library call ``node`` reads ``child`` from is written: the value its view
+    chain stops at (``library_view``: a value already written, else the chain's base), or
+    ``child`` itself when the chain is no view of that. (The reshape rule has written what
+    makes each reshape under a call a view by then: the permute under the attention
+    backward's ``reshape(permute(cat))``.)"""
+    view = library_view(child, written=chosen)
+    if not view:
+        choose(child, f"input of {node.op}, which reads memory")
+    elif not is_input(view[0]):
+        choose(view[0], f"read by {node.op} through a view (no copy)")
 
 
 # A value read by several ops whose recomputation reads more than this many in-memory values
@@ -71,14 +96,19 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
 # 20.55 -> 18.17 ms, DDIM sampling 296.2 -> 290.8 ms of device time, first steps 21 -> 17 s
 # and 39 -> 16 s; a ResBlock alone 430.5 -> 435.6 us (notes/dit-kernel-floors.md found it)
 WIDE_SOURCES = 1
+# A value only elementwise ops read (an optimizer's update rule, where they all fuse into one
+# kernel) is recomputed unless that would read more than this many: writing it would only
+# add bytes (and a foreach rule must stay one kernel with exactly its results as outputs)
+FUSED_WIDE_SOURCES = 4
 
 
 def _wide_reads(node: Node, chosen) -> int:
     """How many values of ``node``'s size in memory (inputs, values written) recomputing it
-    reads; counting stops past ``WIDE_SOURCES``."""
+    reads; counting stops past the larger threshold."""
     size, count = node.numel, 0
     stack, seen = list(node.inputs), set()
-    while stack and count <= WIDE_SOURCES and len(seen) < 256:
+    limit = max(WIDE_SOURCES, FUSED_WIDE_SOURCES)
+    while stack and count <= limit and len(seen) < 256:
         value = stack.pop()
         if id(value) in seen:
             continue
