@@ -9,7 +9,9 @@ from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
 from flame.indexing import checked_targets, embedding, one_hot
+from flame.ir.passes import layouts
 from flame.ir.shapes import ShapeError, prod
+from flame.nn.group_norm_layouts import _after_channels_last_conv, _group_norm_channels_last
 from flame.tensor import Tensor
 from flame.views import channels_innermost, reshape
 
@@ -115,6 +117,10 @@ def group_norm(x, num_groups: int, weight=None, bias=None, eps: float = 1e-5) ->
                 f"{channels} channels of input {list(x.shape)}"
             )
     per_group = (num_groups, channels // num_groups)
+    if layouts.ENABLED and (channels_innermost(x) or _after_channels_last_conv(x)):
+        # the layout pass keeps x channels-last: per-channel column sums (an experiment,
+        # off: notes/performance.md, session 19)
+        return _group_norm_channels_last(x, num_groups, weight, bias, eps)
     if channels_innermost(x):
         # channels innermost in memory (a channels-last conv's result): a group's channels are
         # short runs at every position, and the [N, G, C/G, S] walk would read them so. Viewed

@@ -11,6 +11,7 @@ from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
 from flame.ir.passes.joins import join_padded_sums
+from flame.ir.passes.layouts import layouts
 from flame.ir.passes.lift import lift_row_epilogues
 from flame.ir.passes.remat import remat
 from flame.ir.passes.simplify import simplify
@@ -22,6 +23,7 @@ PIPELINE = (
     lift_row_epilogues,  # elementwise ops after a row kernel's reshape join the row kernel
     join_padded_sums,  # sums of zero-padded pieces (a split's backward) -> one cat
     simplify,  # fold constants, drop identities (x*1, expand to the same shape, ...)
+    layouts,  # values downstream of channels-last convs stay channels-last
     cse,  # one node per distinct computation
     dce,  # only what the outputs need
     fuse,  # elementwise groups -> kernels

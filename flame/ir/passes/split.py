@@ -183,19 +183,48 @@ def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | No
     too few blocks, each walking hundreds of rows: the reduced rows are cut into k strips an
     item (``(P * k, S / k, *rest)``), then the k partial results of each item are reduced.
     Partial sums of a 16-bit float are kept in float32, so the result is rounded once."""
-    if not beside_rows:
-        return None
     kept = prod(source.shape[: axes[0]])
     reduced = prod(source.shape[axes[0] : axes[-1] + 1])
     rest = source.shape[axes[-1] + 1 :]
-    if kept * 2 > ROW_STRIPS or prod(rest) > ROW_COLUMN_VALUES:
-        return None
+    if not beside_rows or kept * 2 > ROW_STRIPS or prod(rest) > ROW_COLUMN_VALUES:
+        return _split_columns(node, source, (kept, reduced, rest)) if SPLIT_COLUMNS else None
     cuts = _cuts(kept, reduced)
     if cuts is None:
         return None
     partial = _partial(node, source, (kept * cuts, reduced // cuts) + rest)
     grouped = make_node("reshape", (partial,), {"shape": (kept, cuts) + rest}, node.site)
     return _finished(node, make_node(node.op, (grouped,), {"axes": (1,)}, node.site))
+
+
+def _split_columns(node: Node, source: Node, sizes) -> Node | None:
+    """A sum over a middle axis on its own (a channels-last GroupNorm's per-channel sums over
+    the positions, [N, S, C] over S): the column kernel gives each thread its columns, so
+    few outputs (N x C) mean few blocks, each walking every row. Cut the reduced axis as
+    ``_split_leading`` cuts leading rows: (P * k, S / k, *rest), then the k partial results
+    of each item."""
+    kept, reduced, rest = sizes
+    outputs = kept * prod(rest)
+    if outputs >= COLUMN_OUTPUTS or reduced < 2 * MIN_COLUMN_ROWS:
+        return None
+    cuts = 1
+    while (
+        outputs * cuts < 4 * COLUMN_OUTPUTS
+        and reduced % (cuts * 2) == 0
+        and reduced // (cuts * 2) >= MIN_COLUMN_ROWS
+    ):
+        cuts *= 2
+    if cuts == 1:
+        return None
+    partial = _partial(node, source, (kept * cuts, reduced // cuts) + rest)
+    grouped = make_node("reshape", (partial,), {"shape": (kept, cuts) + rest}, node.site)
+    return _finished(node, make_node(node.op, (grouped,), {"axes": (1,)}, node.site))
+
+
+# the fewest rows a column kernel's block walks after _split_columns cuts them
+MIN_COLUMN_ROWS = 64
+# off with the layout pass (layouts.ENABLED): on the head's graphs the cut measured neutral
+# to 1 % slower (notes/performance.md, session 18)
+SPLIT_COLUMNS = False
 
 
 def _cuts(kept: int, reduced: int) -> int | None:
