@@ -41,7 +41,9 @@ class LibraryCall(Record, frozen=True):
                 inputs.append(slot_of[id(child)])
                 views.append(None)
                 continue
-            base, view = library_view(child)  # the fusion pass let it through as a view
+            # the fusion pass let it through as a view, of the value its chain stops at: the
+            # nearest one the plan writes (materialize.py and fusion's ordering read the same)
+            base, view = library_view(child, written=slot_of)
             inputs.append(slot_of[id(base)])
             views.append(view)
         return cls(node, tuple(inputs), slot_of[id(node)], tuple(views))

@@ -10,15 +10,19 @@ from flame.ir.ops import get_op
 from flame.ir.views import MOVEMENT_OPS, View, resolve, storage_view
 
 
-def library_view(node: Node, computed: bool = True):
+def library_view(node: Node, computed: bool = True, written=()):
     """``(base, view)`` when ``node`` is a chain of views over one value a library call can
     read in place: ``a @ b.T`` hands cuBLAS the transposed strides instead of a copy. The
     base is an input, another library call's result, or (with ``computed``) any value this
-    plan writes in its own layout -- the fusion pass then materializes that value. None when
-    the views do not compose to one strided view."""
+    plan writes in its own layout -- the fusion pass then materializes that value. The walk
+    stops at a value in ``written`` (ids of values the plan writes, ``node`` included): the
+    library reads that value's memory, not a copy of the chain's base made again in the
+    same layout (the attention backward's dq/dk/dv, joined, permuted and written, are read
+    by the matmuls as ``reshape(permute)`` of that buffer). None when the views do not
+    compose to one strided view."""
     if node.op not in MOVEMENT_OPS:
         return None
-    resolved = resolve(node, own_view, lambda m: True)
+    resolved = resolve(node, own_view, lambda movement: id(movement) not in written)
     if resolved is None:
         return None
     base = resolved[0]
@@ -29,13 +33,14 @@ def library_view(node: Node, computed: bool = True):
 
 def materialized_reads(group, materialized) -> frozenset[int]:
     """The ids of the written (``materialized``) values a kernel group reads; a library
-    group reads the base of a view in place, so the base counts. The one rule for "kernel A
+    group reads a view's base in place (or the written value the view stops at,
+    ``library_view``'s ``written``), so that value counts. The one rule for "kernel A
     waits for kernel B" (fusion's ordering and every merge's cycle check)."""
     found = set()
     for node in group.nodes:
         for child in node.inputs:
             if group.kind == "library":
-                view = library_view(child)
+                view = library_view(child, written=materialized)
                 child = view[0] if view else child
             if id(child) in materialized:
                 found.add(id(child))
