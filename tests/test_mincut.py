@@ -25,6 +25,19 @@ from flame.runtime.reference import evaluate
 from flame.tools.analysis import remat_lines
 from flame.tools.check import reference_outputs
 
+
+@pytest.fixture(autouse=True)
+def wide_sources_four(monkeypatch):
+    """These tests pin the save-or-recompute min-cut's choices with
+    ``materialize.WIDE_SOURCES`` at 4, its value until session 19. At the default (1) a shared
+    value whose recomputation reads two values of its size is written by the fusion pass before
+    the min-cut sees it (materialize.py; measured faster on the DiT and UNet steps,
+    notes/performance-session19.md)."""
+    from flame.ir.passes import materialize
+
+    monkeypatch.setattr(materialize, "WIDE_SOURCES", 4)
+
+
 N = 256
 F32 = 4
 

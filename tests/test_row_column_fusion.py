@@ -28,6 +28,19 @@ from flame.runtime.compiler import nvrtc_compile
 from flame.runtime.executor import _layout_of
 from flame.runtime.reference import evaluate
 
+
+@pytest.fixture(autouse=True)
+def wide_sources_four(monkeypatch):
+    """These tests pin the row-and-column kernel's fusion with ``materialize.WIDE_SOURCES`` at
+    4, its value until session 19. At the default (1) a shared value whose recomputation reads
+    two values of its size is written by the fusion pass before the row kernel's fusion sees it
+    (materialize.py; measured faster on the DiT and UNet steps,
+    notes/performance-session19.md)."""
+    from flame.ir.passes import materialize
+
+    monkeypatch.setattr(materialize, "WIDE_SOURCES", 4)
+
+
 F = fl.nn.functional
 DTYPES = {"float32": fl.float32, "float16": fl.float16, "bfloat16": fl.bfloat16}
 

@@ -29,7 +29,7 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             reasons[id(node)] = reason
 
     users: dict[int, int] = {}  # per value, the ops reading it (through views)
-    beyond: set[int] = set()  # values an op other than an elementwise one reads
+    beyond: set[int] = set()  # values an op other than an elementwise one reads (any: kernels)
     for node in graph.nodes:
         if node.op in MOVEMENT_OPS:
             continue
@@ -43,8 +43,9 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
         kind = get_op(node.op).kind
         if kind == "elementwise" and users.get(id(node), 0) > 1:
             wide = _wide_reads(node, chosen)
-            # read by a reduction or a library call too, the value is read by another kernel
-            if wide > (WIDE_SOURCES if id(node) in beyond else FUSED_WIDE_SOURCES):
+            # in a graph of elementwise ops only (an optimizer's update rule) every reader is
+            # in the one kernel: recomputing costs no reads from memory
+            if wide > (WIDE_SOURCES if beyond else FUSED_WIDE_SOURCES):
                 choose(node, f"recomputing it would read {wide} values of its size")
         if kind == "library":
             choose(node, f"{node.op} runs as a library call")
@@ -96,9 +97,9 @@ def _choose_library_read(node: Node, child: Node, chosen, choose) -> None:
 # 20.55 -> 18.17 ms, DDIM sampling 296.2 -> 290.8 ms of device time, first steps 21 -> 17 s
 # and 39 -> 16 s; a ResBlock alone 430.5 -> 435.6 us (notes/dit-kernel-floors.md found it)
 WIDE_SOURCES = 1
-# A value only elementwise ops read (an optimizer's update rule, where they all fuse into one
-# kernel) is recomputed unless that would read more than this many: writing it would only
-# add bytes (and a foreach rule must stay one kernel with exactly its results as outputs)
+# In a graph of elementwise ops only (an optimizer's update rule, which fuses into one kernel) a
+# value is recomputed unless that would read more than this many: writing it would only add
+# bytes (and a foreach rule must stay one kernel with exactly its results as outputs)
 FUSED_WIDE_SOURCES = 4
 
 
