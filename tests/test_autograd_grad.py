@@ -76,10 +76,11 @@ def test_gradient_with_respect_to_an_intermediate_value_and_dict_inputs(backend,
     (tx,) = _torch(torch, arrays)
     hidden, t_hidden = fl.exp(x) * 0.5, torch.exp(tx) * 0.5
     got = fl.autograd.grad((hidden * hidden).sum(), {"hidden": hidden, "x": x})
-    expected = torch.autograd.grad((t_hidden * t_hidden).sum(), {"hidden": t_hidden, "x": tx})
-    assert list(got) == ["hidden", "x"] == list(expected)
-    for key in got:
-        _close(got[key], expected[key])
+    # PyTorch takes a dict of inputs only in recent releases: compared as a tuple of them
+    expected = torch.autograd.grad((t_hidden * t_hidden).sum(), (t_hidden, tx))
+    assert list(got) == ["hidden", "x"]
+    for key, reference in zip(got, expected):
+        _close(got[key], reference)
 
 
 def test_gradients_of_module_parameters_given_as_a_generator(backend, rng, torch):
