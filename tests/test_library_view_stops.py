@@ -174,6 +174,29 @@ def test_a_dit_block_writes_attention_layouts_once(rng):
     assert _check_library_reads(graph, slot_of, steps) >= 10
 
 
+@pytest.mark.parametrize("name", ["dit", "unet"])
+def test_library_reads_of_tiny_diffusion_training_steps(name):
+    """Every cuBLAS/cuDNN call of a tiny DiT's and UNet's bf16 training step (convolutions,
+    attention, matmuls) reads its operand's values from the slot and view the plan gives it.
+    Built on the reference backend: the parameters' initialization runs there (the passes
+    plan the same graph for either backend)."""
+    from examples.diffusion.models import build_model
+
+    with fl.backend("reference"):
+        fl.manual_seed(0)
+        model = build_model(name, 16, 3, 10, "tiny")
+        params = list(model.parameters())
+        x = fl.randn(2, 3, 16, 16)
+        t, y = fl.randint(0, 1000, (2,)), fl.randint(0, 10, (2,))
+        with fl.autocast("cuda", dtype=fl.bfloat16):
+            out = model(x, t, y)
+        loss = (out.float() - x).square().mean()
+        loss.backward(create_graph=True)  # built, not run
+        graph, slot_of, steps = _plan([loss] + [p.grad for p in params])
+    assert not _same_layout_copies(graph)
+    assert _check_library_reads(graph, slot_of, steps) >= 50
+
+
 def test_values_are_unchanged(rng):
     """The planned graph computes what the graph did (the reads of its library calls through
     their views are checked above, value for value). The DiT block is bf16: the pipeline
