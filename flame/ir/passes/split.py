@@ -65,7 +65,9 @@ def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
         return None
     pieces = make_node("reshape", (source,), {"shape": kept + (parts, row // parts)}, node.site)
     partial = make_node(node.op, (pieces,), {"axes": (len(kept) + 1,)}, node.site)
-    total = make_node(node.op, (partial,), {"axes": (len(kept),)}, node.site)
+    # the partials' total over both axes (the parts and the size-1 axis their reduction
+    # kept): a row of ``parts`` values for one block, not a column one thread walks
+    total = make_node(node.op, (partial,), {"axes": (len(kept), len(kept) + 1)}, node.site)
     return make_node("reshape", (total,), {"shape": node.shape}, node.site)
 
 
