@@ -87,10 +87,13 @@ def _broadcast_back(graph: Graph) -> frozenset:
     a group norm's mean and variance)."""
     sources = row_shapes(graph)
     found = set()
+    # what a walk finds depends on the expand's shape alone: one set of visited values per
+    # shape (the expands of a graph share their per-row values; walked once, not per expand)
+    visited: dict[tuple, set[int]] = {}
     for node in graph.nodes:
         if node.op != "expand" or node.shape not in sources:
             continue
-        stack, seen = [node.inputs[0]], set()
+        stack, seen = [node.inputs[0]], visited.setdefault(node.shape, set())
         while stack:
             value = stack.pop()
             if id(value) in seen or value.numel * 2 > node.numel:
