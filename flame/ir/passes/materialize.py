@@ -29,7 +29,6 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             reasons[id(node)] = reason
 
     users: dict[int, int] = {}  # per value, the ops reading it (through views)
-    beyond: set[int] = set()  # values an op other than an elementwise one reads (any: kernels)
     for node in graph.nodes:
         if node.op in MOVEMENT_OPS:
             continue
@@ -37,15 +36,15 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
             while child.op in MOVEMENT_OPS and child.inputs:
                 child = child.inputs[0]
             users[id(child)] = users.get(id(child), 0) + 1
-            if get_op(node.op).kind != "elementwise":
-                beyond.add(id(child))
+    # a graph of elementwise ops only (an optimizer's update rule) is one kernel
+    threshold = FUSED_WIDE_SOURCES
+    if any(get_op(n.op).kind not in ("elementwise", "movement", "leaf") for n in graph.nodes):
+        threshold = WIDE_SOURCES
     for node in graph.nodes:  # inputs first, so inner decisions come before outer ones
         kind = get_op(node.op).kind
         if kind == "elementwise" and users.get(id(node), 0) > 1:
             wide = _wide_reads(node, chosen)
-            # in a graph of elementwise ops only (an optimizer's update rule) every reader is
-            # in the one kernel: recomputing costs no reads from memory
-            if wide > (WIDE_SOURCES if beyond else FUSED_WIDE_SOURCES):
+            if wide > threshold:
                 choose(node, f"recomputing it would read {wide} values of its size")
         if kind == "library":
             choose(node, f"{node.op} runs as a library call")
