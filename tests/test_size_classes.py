@@ -26,6 +26,7 @@ import pytest
 
 import flame as fl
 import flame.nn.functional as F
+from flame.codegen.explain import spec_differences
 from flame.codegen.lower import lower_group
 from flame.codegen.render import code_key, render, spec_key
 from flame.ir.graph import Graph
@@ -327,57 +328,11 @@ def by_slot_and_class(kernels) -> dict[tuple, dict[str, list[Kernel]]]:
 # --- messages ------------------------------------------------------------------------------
 
 
-def _short(value, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _first_difference(a, b, path: str) -> str:
-    """Where two values first differ, e.g. ``extras['passes'][0][2][1]: 'x' != 'y'``."""
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        for index, (left, right) in enumerate(zip(a, b)):
-            if left != right:
-                return _first_difference(left, right, f"{path}[{index}]")
-        return f"{path}: length {len(a)} != {len(b)}"
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
-            if a.get(key, "<absent>") != b.get(key, "<absent>"):
-                return _first_difference(
-                    a.get(key, "<absent>"), b.get(key, "<absent>"), f"{path}[{key!r}]"
-                )
-    return f"{path}: {_short(a)} != {_short(b)}"
-
-
 def _comparable(spec, name: str):
     value = getattr(spec, name)
     if name == "params":  # planned sizes and strides are launch arguments: spec_key drops them
         return [(arg.kind, arg.ctype, arg.name, arg.operand) for arg in value]
     return value
-
-
-def spec_differences(a, b) -> list[str]:
-    """The fields of two specs that differ (``extras`` key by key), each with where it
-    first differs. ``header`` (comments) is left out, as ``spec_key`` leaves it out."""
-    lines = []
-    for field in fields(a):
-        if field.name == "header":
-            continue
-        left, right = _comparable(a, field.name), _comparable(b, field.name)
-        if left == right:
-            continue
-        if isinstance(left, dict) and isinstance(right, dict):
-            for key in sorted(set(left) | set(right), key=str):
-                if left.get(key, "<absent>") != right.get(key, "<absent>"):
-                    lines.append(
-                        _first_difference(
-                            left.get(key, "<absent>"),
-                            right.get(key, "<absent>"),
-                            f"{field.name}[{key!r}]",
-                        )  # fmt: skip
-                    )
-        else:
-            lines.append(_first_difference(left, right, field.name))
-    return lines
 
 
 def _varying_fields(kernels: list[Kernel]) -> str:
