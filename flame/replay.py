@@ -87,6 +87,8 @@ def bind_arrays(sources: tuple, args) -> list:
 # --- the dispatch of one-kernel programs ---------------------------------------------------
 
 
+COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter"})
+_GRAPH_CACHES: weakref.WeakSet = weakref.WeakSet()  # every GraphCache, for release_graphs_of
 MISS = object()  # a compiled call the one-kernel path does not take: the general path runs
 
 
@@ -227,6 +229,22 @@ class GraphCache:
         self.entries: dict[tuple, list] = {}  # addresses -> [graph, slots, lent, held blocks]
         self.lock = threading.Lock()
         self.failed: str | None = None  # why capturing failed; then never tried again
+        _GRAPH_CACHES.add(self)
+
+    def uses_group(self, group: str) -> bool:
+        """Whether the plan holds a collective of the NCCL group named ``group``."""
+        return any(
+            getattr(step, "node", None) is not None
+            and step.node.op in COLLECTIVE_OPS
+            and step.node.attr("group") == group
+            for step in self.plan.launches
+        )
+
+    def release(self, reason: str) -> None:
+        """Drop every captured graph (their memory too) and capture no more: ``reason``."""
+        with self.lock:
+            self.entries.clear()
+            self.failed = reason
 
     def run(self, arrays: list, outputs: tuple, targets=None) -> list | None:
         """The results of one replay; None when capturing failed (the caller then runs the
@@ -420,3 +438,15 @@ def one_kernel_replay(plan, sources, output, executor, arity: int, key=None):
         )
         entry = one_kernel_runner(plan, header, storages, finish, namespace)
     return run, entry
+
+
+def release_graphs_of(group: str) -> int:
+    """Destroy the CUDA graphs that captured a collective of the NCCL group ``group``; the
+    programs that own them run step by step from then on. NCCL keeps a communicator alive
+    while any graph that captured one of its collectives exists (``ncclCommDestroy`` waits
+    for them), so ``destroy_process_group`` calls this first. Returns how many programs'
+    graphs were dropped."""
+    caches = [cache for cache in list(_GRAPH_CACHES) if cache.entries and cache.uses_group(group)]
+    for cache in caches:
+        cache.release(f"its NCCL process group {group!r} was destroyed")
+    return len(caches)

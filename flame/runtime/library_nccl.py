@@ -218,6 +218,7 @@ def destroy(name: str) -> None:
         found = _COMMUNICATORS.pop(name, None)
     if found is not None:
         cupy.cuda.get_current_stream().synchronize()
+        _release_graphs(name)
         found.destroy()
 
 
@@ -226,7 +227,17 @@ def abort(name: str) -> None:
     with _LOCK:
         found = _COMMUNICATORS.pop(name, None)
     if found is not None:
+        _release_graphs(name)
         found.abort()
+
+
+def _release_graphs(name: str) -> None:
+    """NCCL's destroy and abort wait until every CUDA graph that captured one of the
+    communicator's collectives is gone (with two or more ranks they hang while one lives):
+    drop FLAME's captures of the group first."""
+    from flame.replay import release_graphs_of
+
+    release_graphs_of(name)
 
 
 def barrier(name: str) -> None:
