@@ -22,8 +22,8 @@ from flame.codegen.lower import lower_group
 from flame.codegen.render import render
 from flame.ir.graph import Graph
 from flame.ir.ops import get_op
-from flame.ir.passes import run_pipeline
-from flame.ir.passes.split import ROW_COLUMN_VALUES, _strips
+from flame.ir.passes import run_pipeline, split
+from flame.ir.passes.split import ROW_COLUMN_VALUES, ROW_STRIPS, _strip_target, _strips
 from flame.runtime.compiler import nvrtc_compile
 from flame.runtime.executor import _layout_of
 from flame.runtime.reference import evaluate
@@ -109,6 +109,17 @@ def test_strips_divide_the_rows():
     assert _strips(16384) == 256
     assert _strips(4097) == 241  # 17 x 241: odd strips of 17 rows
     assert _strips(16381) is None  # a prime: the column kernel keeps its own split
+    assert _strips(16384, 1024) == 1024  # strips of 16 rows for a short row's small blocks
+
+
+def test_short_rows_aim_at_as_many_threads_in_smaller_blocks(monkeypatch):
+    """A row kernel over rows of up to 1,024 four-lane values runs 128-thread blocks, so it
+    takes 4x the strips of a 512-thread one (switch off: ROW_STRIPS for every row)."""
+    assert [_strip_target(row) for row in (384, 1024, 1025, 2048, 4096)] == [
+        4 * ROW_STRIPS, 4 * ROW_STRIPS, 2 * ROW_STRIPS, 2 * ROW_STRIPS, ROW_STRIPS,
+    ]  # fmt: skip
+    monkeypatch.setattr(split, "STRIPS_BY_THREADS", False)
+    assert _strip_target(384) == ROW_STRIPS
 
 
 def test_layer_norm_fwd_bwd_is_one_row_kernel_adding_atomically(cuda_backend, rng):
@@ -243,13 +254,14 @@ def test_sums_over_tokens_of_few_samples_are_cut_into_more_strips(cuda_backend, 
     """adaLN's scale and shift gradients ([64, 256, 384] summed over the 256 tokens): the
     row kernel takes them over as strips, and 64 samples are cut into 4 strips each, so 256
     blocks walk 64 rows each instead of 64 blocks walking 256 (a small kernel then adds the
-    4 partial rows of each sample)."""
+    4 partial rows of each sample). With 384-wide rows in 128-thread blocks: 16 strips a
+    sample, 1,024 blocks of 16 rows."""
     graph = _plan(_ada_layer_norm_fwd_bwd(rng, (64, 256, 384)))
     rows = [g for g in graph.groups if g.kind == "reduce" and _kinds(g) == 2]
     assert len(rows) == 1, [g.outputs for g in graph.groups]
     strips = [o.shape for o in rows[0].outputs if len(o.shape) == 3 and o.shape[1] == 1]
-    assert strips == [(256, 1, 384)] * 2
-    assert lower_group(rows[0], _layout_of).grid_items == 256
+    assert strips == [(1024, 1, 384)] * 2
+    assert lower_group(rows[0], _layout_of).grid_items == 1024
     totals = [g for g in graph.groups if g is not rows[0] and g.kind == "reduce"]
     assert sorted(o.shape for g in totals for o in g.outputs) == [(64, 384)] * 2
 

@@ -13,13 +13,17 @@ VECTOR_LANES = 4  # block mode: 16-byte loads of float32 rows
 MAX_CACHE_ITEMS = 8  # a row of up to block * lanes * 8 values stays in registers (16 at 512)
 
 
+# the smallest row block (64: rows of up to 512 four-lane values in two warps)
+MIN_ROW_THREADS = 128
+
+
 def block_size(inner: int, lanes: int) -> int:
     """The smallest block that keeps a row in at most 2 chunks per thread; long rows take
     512 threads (up to 16 chunks each, still cached) and only the longest 1024."""
     # measured on the H100 (layer norm over 4096): 512 threads x 2 chunks 0.1800 ms,
     # 256 x 4 0.1813, 128 x 8 0.1847, 1024 x 1 0.2185 (notes/performance.md)
-    for size in (128, 256, 512):
-        if inner <= size * lanes * 2:
+    for size in (64, 128, 256, 512):
+        if size >= MIN_ROW_THREADS and inner <= size * lanes * 2:
             return size
     return 512 if inner <= 512 * lanes * 2 * MAX_CACHE_ITEMS else 1024
 

@@ -130,6 +130,23 @@ COLUMN_OUTPUTS = 1 << 15  # a column reduction with fewer outputs than this is s
 # unless the row kernel adds them atomically into a float32 result (row_columns.py).
 ROW_STRIPS = 256
 MIN_STRIP_ROWS = 8
+# ROW_STRIPS counts 512-thread blocks; a short row's kernel runs smaller blocks (128 threads
+# for a row of up to 1,024 four-lane items: reduce_space.block_size, restated here), so it
+# takes more strips for as many threads on the SMs: 256 strips of 128 threads left 8 warps an
+# SM walking 64 rows each (a DiT's LayerNorm backward at 28 % of its byte floor)
+STRIPS_BY_THREADS = True
+_STRIP_LANES = 4
+STRIP_MIN_THREADS = 128  # reduce_space.MIN_ROW_THREADS, restated
+
+
+def _strip_target(row: int) -> int:
+    """The strips to aim at for rows of ``row`` values: ``ROW_STRIPS`` 512-thread blocks'
+    worth of threads in blocks of the size the row kernel takes."""
+    if not STRIPS_BY_THREADS:
+        return ROW_STRIPS
+    sizes = [size for size in (64, 128, 256) if size >= STRIP_MIN_THREADS]
+    threads = next((size for size in sizes if row <= size * _STRIP_LANES * 2), 512)
+    return ROW_STRIPS * 512 // threads
 # column values (row length x column reductions) a row kernel keeps in registers; longer
 # rows leave their column reductions to a kernel of their own (flame/ir/passes/row_columns.py)
 ROW_COLUMN_VALUES = 8192
@@ -148,7 +165,7 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     if outputs >= COLUMN_OUTPUTS or lead < 4096:
         return None
     fits = beside_rows and outputs <= ROW_COLUMN_VALUES  # row_columns checks each kernel
-    parts = _strips(lead) if fits else None
+    parts = _strips(lead, _strip_target(outputs)) if fits else None
     if parts is None:
         parts = _column_parts(lead, outputs)
     if parts == 1:
@@ -191,9 +208,10 @@ def _split_middle(node: Node, source: Node, axes, beside_rows=None) -> Node | No
     kept = prod(source.shape[: axes[0]])
     reduced = prod(source.shape[axes[0] : axes[-1] + 1])
     rest = source.shape[axes[-1] + 1 :]
-    if not beside_rows or kept * 2 > ROW_STRIPS or prod(rest) > ROW_COLUMN_VALUES:
+    target = _strip_target(prod(rest))
+    if not beside_rows or kept * 2 > target or prod(rest) > ROW_COLUMN_VALUES:
         return _split_columns(node, source, (kept, reduced, rest)) if SPLIT_COLUMNS else None
-    cuts = _cuts(kept, reduced)
+    cuts = _cuts(kept, reduced, target)
     if cuts is None:
         return None
     partial = _partial(node, source, (kept * cuts, reduced // cuts) + rest)
@@ -232,18 +250,18 @@ MIN_COLUMN_ROWS = 64
 SPLIT_COLUMNS = False
 
 
-def _cuts(kept: int, reduced: int) -> int | None:
+def _cuts(kept: int, reduced: int, target: int = ROW_STRIPS) -> int | None:
     """Strips an item (a divisor of ``reduced``, each of at least ``MIN_STRIP_ROWS`` rows)
-    that bring ``kept * cuts`` nearest ``ROW_STRIPS`` by ratio; None when only 1 fits."""
+    that bring ``kept * cuts`` nearest ``target`` by ratio; None when only 1 fits."""
     best, best_ratio = None, 0.0
     for cuts in range(2, reduced // MIN_STRIP_ROWS + 1):
         if reduced % cuts:
             continue
         parts = kept * cuts
-        ratio = max(parts, ROW_STRIPS) / min(parts, ROW_STRIPS)
+        ratio = max(parts, target) / min(parts, target)
         if best is None or ratio < best_ratio:
             best, best_ratio = cuts, ratio
-        if parts >= ROW_STRIPS:
+        if parts >= target:
             break
     return best
 
@@ -259,14 +277,14 @@ def _column_parts(lead: int, outputs: int) -> int:
     return parts
 
 
-def _strips(lead: int) -> int | None:
-    """The number of equal strips of rows nearest ``ROW_STRIPS`` (by ratio), each of at least
+def _strips(lead: int, target: int = ROW_STRIPS) -> int | None:
+    """The number of equal strips of rows nearest ``target`` (by ratio), each of at least
     ``MIN_STRIP_ROWS`` rows; None when ``lead`` has no such divisor (a prime, say)."""
     best, best_ratio = None, 0.0
-    for parts in range(ROW_STRIPS // 4, ROW_STRIPS * 4 + 1):
+    for parts in range(target // 4, target * 4 + 1):
         if lead % parts or lead // parts < MIN_STRIP_ROWS:
             continue
-        ratio = max(parts, ROW_STRIPS) / min(parts, ROW_STRIPS)
+        ratio = max(parts, target) / min(parts, target)
         if best is None or ratio < best_ratio:
             best, best_ratio = parts, ratio
     return best
