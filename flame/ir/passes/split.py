@@ -48,6 +48,11 @@ def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
     source = node.inputs[0]
     axes = node.attr("axes")
     rank = len(source.shape)
+    if UNPERMUTE_TOTALS and rank > 1 and axes == tuple(range(rank)):
+        unpermuted = _unpermuted(source)
+        if unpermuted is not None:  # a total does not depend on the order of its values
+            total = make_node(node.op, (unpermuted,), {"axes": axes}, node.site)
+            return _split(total, rows, normalizing) or total
     if axes and axes == tuple(range(len(axes))) and len(axes) < rank:
         return _split_leading(node, source, axes, (rows or {}).get((source.shape, len(axes)), 0))
     if axes and axes == tuple(range(axes[0], axes[-1] + 1)) and axes[-1] < rank - 1:
@@ -69,6 +74,57 @@ def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
     # kept): a row of ``parts`` values for one block, not a column one thread walks
     total = make_node(node.op, (partial,), {"axes": (len(kept), len(kept) + 1)}, node.site)
     return make_node("reshape", (total,), {"shape": node.shape}, node.site)
+
+
+# a reduction over every axis of elementwise work on permuted values (gradient clipping's
+# ``(permute(dW) ** 2).sum()``, the weight gradient arriving in another order than its
+# parameter) reduces the values in their stored order: read in place, not tile-transposed
+UNPERMUTE_TOTALS = True
+
+
+def _unpermuted(source: Node) -> Node | None:
+    """``source`` with the permutes under its elementwise ops taken off, when every full-size
+    leaf is a permute by the same dims or a broadcast scalar (scalars of shape () too);
+    None otherwise."""
+    dims, stack, seen = set(), [source], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.shape == ():
+            continue  # a scalar operand: broadcast in any order
+        if value.shape != source.shape:
+            return None
+        if value.op == "permute":
+            dims.add(value.attr("dims"))
+            stored = value.inputs[0].shape
+        elif value.op == "expand" and value.inputs[0].numel == 1:
+            pass
+        elif get_op(value.op).kind == "elementwise" and value.inputs:
+            stack.extend(value.inputs)
+        else:
+            return None
+    if len(dims) != 1 or next(iter(dims)) == tuple(range(len(source.shape))):
+        return None
+    memo: dict[int, Node] = {}
+
+    def rebuilt(value: Node) -> Node:
+        found = memo.get(id(value))
+        if found is None:
+            if value.shape == ():
+                found = value
+            elif value.op == "permute":
+                found = value.inputs[0]
+            elif value.op == "expand":
+                found = make_node("expand", value.inputs, {"shape": stored}, value.site)
+            else:
+                inputs = tuple(rebuilt(child) for child in value.inputs)
+                found = make_node(value.op, inputs, dict(value.attrs), value.site)
+            memo[id(value)] = found
+        return found
+
+    return rebuilt(source)
 
 
 def split_reductions(graph: Graph) -> Graph:
@@ -147,6 +203,8 @@ def _strip_target(row: int) -> int:
     sizes = [size for size in (64, 128, 256) if size >= STRIP_MIN_THREADS]
     threads = next((size for size in sizes if row <= size * _STRIP_LANES * 2), 512)
     return ROW_STRIPS * 512 // threads
+
+
 # column values (row length x column reductions) a row kernel keeps in registers; longer
 # rows leave their column reductions to a kernel of their own (flame/ir/passes/row_columns.py)
 ROW_COLUMN_VALUES = 8192
