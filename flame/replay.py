@@ -207,6 +207,9 @@ def capturable(plan, forced: bool, library_ops=None) -> bool:
         return False
     allowed = CAPTURABLE_LIBRARY_OPS if library_ops is None else library_ops
     for step in plan.launches:
+        # a library call, or a collective's join (flame/runtime/plans.py), whose ``node`` is
+        # its collective's: captured where the collective is (an event wait, which a
+        # capture records as the second stream joining back)
         if not isinstance(step, Launch):
             if not forced or step.node.op not in allowed:
                 return False

@@ -20,7 +20,7 @@ from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import is_input
 from flame.ir.node import Node
-from flame.runtime import events, plan_store, warmup
+from flame.runtime import events, plan_store, plans, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import target_arch
 from flame.runtime.empty_values import is_empty
@@ -28,7 +28,15 @@ from flame.runtime.launch import Launch
 
 # the plan's records and GPU-free planning (flame/runtime/plans.py), every name importable
 # from here as before; ``_plan`` reads them from this module (a probe may patch them here)
-from flame.runtime.plans import LibraryCall, Plan, _layout_of, _plan_memory, planned_graph
+from flame.runtime.plans import (
+    CollectiveJoin,
+    LibraryCall,
+    Plan,
+    _layout_of,
+    _plan_memory,
+    overlap_collectives,
+    planned_graph,
+)
 from flame.runtime.plans import _empty_array as _empty_array  # re-exported
 from flame.runtime.plans import _over_stand_ins as _over_stand_ins  # re-exported
 from flame.runtime.plans import _reads as _reads  # re-exported
@@ -217,6 +225,8 @@ class Executor:
         """The plan for a graph (``linearize``'s inputs and key): cached, or built now."""
         if are_deterministic_algorithms_enabled():  # plans differ: kept apart
             key = ("deterministic", key)
+        if not plans.OVERLAP_COLLECTIVES:  # collectives on FLAME's stream: kept apart too
+            key = ("one stream", key)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._stored_plan(pending, inputs, key)
@@ -271,6 +281,9 @@ class Executor:
         warmup.start()
 
     def _run_observed(self, plan: Plan, slots: list) -> list:
+        """``_run_steps`` keeping every slot (``flame check`` reads them after), telling the dump;
+        profiling, the GPU time of each group's step (a collective on the communication
+        stream: FLAME's stream's time in it and in its join, which waits for it)."""
         times = [None] * len(plan.launches)
         if not events.profiling():
             for step in plan.launches:
@@ -285,7 +298,7 @@ class Executor:
                 stop.record()
                 stop.synchronize()
                 times[index] = cupy.cuda.get_elapsed_time(start, stop)
-        events.emit("run", plan=plan, times=times, slots=slots)
+        events.emit("run", plan=plan, times=_group_times(plan, times), slots=slots)
         return slots
 
     def _plan(self, pending: list[Node], inputs: list[Node]) -> Plan:
@@ -317,6 +330,9 @@ class Executor:
             else Launch.plan(next(kernels), next(functions), slot_of)
             for group in graph.groups
         )  # fmt: skip
+        # collectives on the communication stream, overlapping the steps that do not wait
+        # for them (the groups put in the new order too)
+        launches, graph, slot_count = overlap_collectives(launches, graph, slot_count)
         output_slots = tuple(slot_of[id(node)] for node in graph.outputs)
         releases, peak = _plan_memory(launches, len(inputs), output_slots, graph, slot_of)
         plan = Plan(
@@ -366,6 +382,24 @@ def _lazy_runner(plan: Plan):
     runner = one_kernel_runner(plan, header, storages, finish, {"Storage": Storage}, RECYCLE_BYTES)
     object.__setattr__(plan, "runner", runner)
     return runner
+
+
+def _group_times(plan: Plan, times: list) -> list:
+    """Per group of ``plan.graph`` (the steps but the joins), its step's time; a join's is
+    added to its collective's."""
+    if not any(isinstance(step, CollectiveJoin) for step in plan.launches):
+        return times
+    found, collective_at = [], {}
+    for step, elapsed in zip(plan.launches, times):
+        if not isinstance(step, CollectiveJoin):
+            if isinstance(step, LibraryCall) and step.pending >= 0:
+                collective_at[step.pending] = len(found)
+            found.append(elapsed)
+            continue
+        at = collective_at.get(step.pending)
+        if at is not None and elapsed is not None and found[at] is not None:
+            found[at] += elapsed
+    return found
 
 
 def _arrays_of(inputs: list[Node]) -> list:

@@ -8,15 +8,21 @@ system. It is imported on first use, never by ``import flame``.
 A collective node names its communicator by the group's name (``node.attr("group")``); the
 communicator is registered here when the group is made and removed when it is destroyed, so a
 compiled program replayed after ``destroy_process_group`` fails with the group named instead of
-calling a dead communicator. Every call runs on FLAME's stream (CuPy's current stream), after
-the kernels that made its input and before those that read its result, with no host wait: it
-is queued like any kernel. NCCL calls can be captured into CUDA graphs (NCCL 2.9 and later),
-and these launches do nothing a capture forbids (no host sync, memory from the capture's
-allocator); but ``flame.compile`` captures only programs whose library ops are listed in
-``flame.runtime.executor.CAPTURABLE_LIBRARY_OPS``, which does not list the collectives yet
-(not tried on a GPU), so such programs run step by step. Results are new
-C-contiguous arrays (send and receive buffers differ, as NCCL allows); a strided input is
-copied to contiguous memory first.
+calling a dead communicator.
+
+Streams. A collective of a plan that has other work to overlap it with (a data-parallel step:
+the rest of the backward; ``flame.runtime.plans.overlap_collectives``) runs on a
+communication stream (``communication_stream``: one per device and thread, non-blocking):
+``start_collective`` makes that stream wait for what FLAME's stream (CuPy's current stream)
+queued so far, queues NCCL there (its result and any contiguous copy allocated there) and
+records a "done" event; the plan's ``CollectiveJoin`` makes FLAME's stream wait for that event
+before the first kernel that reads the result (``join_collective``). Every other call runs on
+FLAME's stream, after the kernels that made its input and before those that read its result.
+Neither waits on the host: they are queued like any kernel. The event record/wait pair is
+also how a CUDA-graph capture forks to the second stream and joins back, so step graphs
+(flame/runtime/step_graphs.py) capture both forms (NCCL 2.9 and later: no host sync, memory
+from the capture's allocator). Results are new C-contiguous arrays (send and receive buffers
+differ, as NCCL allows); a strided input is copied to contiguous memory first.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ _CUDA_ERROR_NOT_INITIALIZED = 3
 
 _COMMUNICATORS: dict[str, object] = {}  # group name -> NcclCommunicator
 _LOCK = threading.Lock()
+_STREAMS = threading.local()  # per thread: device index -> its communication stream
 
 
 class NcclUnavailable(RuntimeError):
@@ -251,6 +258,60 @@ def barrier(name: str) -> None:
         flag.data.ptr, flag.data.ptr, 1, NCCL_DTYPE["int32"], NCCL_OP["sum"], stream
     )
     cupy.cuda.get_current_stream().synchronize()
+
+
+# --- the communication stream ---------------------------------------------------------------------
+def communication_stream():
+    """This thread's stream for collectives on the current device, made on first use.
+    Non-blocking: it never waits for the legacy default stream FLAME's kernels may run on,
+    only for the events ``start_collective`` gives it."""
+    import cupy
+
+    streams = getattr(_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _STREAMS.by_device = {}
+    device = cupy.cuda.runtime.getDevice()
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+def _current_stream():
+    import cupy
+
+    return cupy.cuda.get_current_stream()
+
+
+def _new_event():
+    import cupy
+
+    return cupy.cuda.Event(disable_timing=True)
+
+
+def start_collective(node, arrays: list) -> tuple:
+    """Queue collective ``node`` over ``arrays`` on the communication stream, after what the
+    current stream queued so far. Returns ``(result, pending)``: the result, and what
+    ``join_collective`` takes: the "done" event and ``arrays``, kept alive until the join
+    (the plan releases the input slots there too), so the current stream does not reuse
+    their memory while NCCL reads it. The result and any contiguous copy of the input are
+    allocated while the communication stream is current: CuPy's pool hands such a block
+    back only to work queued later on that stream, so the copy, freed on the host as soon
+    as NCCL is queued, is not overwritten before NCCL has read it."""
+    from flame.runtime.library import run_library
+
+    side = communication_stream()
+    side.wait_event(_current_stream().record(_new_event()))
+    with side:
+        result = run_library(node, arrays)
+        done = side.record(_new_event())
+    return result, (done, arrays)
+
+
+def join_collective(pending: tuple) -> None:
+    """The current stream waits (on the device, not the host) for a collective that
+    ``start_collective`` queued."""
+    _current_stream().wait_event(pending[0])
 
 
 # --- the collective ops ---------------------------------------------------------------------------

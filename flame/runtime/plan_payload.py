@@ -1,8 +1,10 @@
 """The plan store's payload (flame/runtime/plan_store.py): a planned graph written as a
 node table in topological order (inputs by integer position: no recursion, whatever the
 depth), its groups and save-or-recompute decision, the kernel specs with their
-``spec_key``\\ s, the launch arguments, slot numbering, releases and planned peak; and read
-back by an unpickler that accepts only FLAME's, NumPy's and a few builtin classes."""
+``spec_key``\\ s, the launch arguments, the library calls (a collective's pending slot) and
+the joins of collectives run on the communication stream, slot numbering, releases and
+planned peak; and read back by an unpickler that accepts only FLAME's, NumPy's and a few
+builtin classes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 from flame.ir.graph import Graph, Group, Remat
 from flame.ir.node import Node, Token, toposort
 
-FORMAT = 2
+FORMAT = 3  # 3: collectives on the communication stream (a pending slot, joins)
 
 
 class Unstorable(Exception):
@@ -91,7 +93,7 @@ def _numpy_type(value) -> bool:
 
 def encode(plan, digest: str, inputs: list[Node]) -> bytes:
     """``plan`` as the bytes ``load`` reads."""
-    from flame.runtime.executor import LibraryCall
+    from flame.runtime.executor import CollectiveJoin, LibraryCall
 
     graph = plan.graph
     remat = graph.remat
@@ -117,7 +119,10 @@ def encode(plan, digest: str, inputs: list[Node]) -> bytes:
     launches = []
     for step in plan.launches:
         if isinstance(step, LibraryCall):
-            launches.append(("library", index[id(step.node)], step.inputs, step.output, step.views))
+            node = index[id(step.node)]
+            launches.append(("library", node, step.inputs, step.output, step.views, step.pending))
+        elif isinstance(step, CollectiveJoin):
+            launches.append(("join", index[id(step.node)], step.pending, step.inputs))
         else:
             launches.append((
                 "kernel", specs.index(step.spec), step.grid, step.block, step.args,
@@ -198,7 +203,7 @@ def valid(payload, digest: str, inputs) -> bool:
 def decode(payload: dict, load_functions, start: float):
     from flame.codegen.render import render
     from flame.codegen.spec import KernelSpec
-    from flame.runtime.executor import LibraryCall, Plan
+    from flame.runtime.executor import CollectiveJoin, LibraryCall, Plan
     from flame.runtime.launch import Launch
 
     table = payload["nodes"]
@@ -242,8 +247,11 @@ def decode(payload: dict, load_functions, start: float):
     launches = []
     for entry in payload["launches"]:
         if entry[0] == "library":
-            _, node, call_inputs, output, views = entry
-            launches.append(LibraryCall(nodes[node], call_inputs, output, views))
+            _, node, call_inputs, output, views, pending = entry
+            launches.append(LibraryCall(nodes[node], call_inputs, output, views, pending))
+        elif entry[0] == "join":
+            _, node, pending, call_inputs = entry
+            launches.append(CollectiveJoin(nodes[node], pending, call_inputs))
         else:
             _, spec, grid, block, args, writes, shapes, zeroed, shared = entry
             function = functions[code_of[spec]]
@@ -251,7 +259,8 @@ def decode(payload: dict, load_functions, start: float):
                 Launch(specs[spec], function, grid, block, args, writes, shapes, zeroed, shared)
             )
     slot_count, output_slots, releases, peak = payload["slots"]
-    if len(releases) != len(launches) or len(groups) != len(launches):
+    steps = [step for step in launches if not isinstance(step, CollectiveJoin)]
+    if len(releases) != len(launches) or len(groups) != len(steps):
         raise Unstorable("launches, groups and releases disagree")
     seconds = time.perf_counter() - start
     return Plan(

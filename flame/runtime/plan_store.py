@@ -7,9 +7,10 @@ corrupt files removed; ``flame cache list|clear`` sees and removes plans with th
 under a key that is the sha256 of:
 
 - the plan key ``linearize`` gives (ops, attributes, sharing, inputs' types and layouts;
-  the executor prefixes the deterministic mode), pickled without a memo, so that the bytes
-  depend on values, never on which objects happen to be shared; ``Token``\\ s (unique
-  attributes) are numbered by their first appearance;
+  the executor prefixes the deterministic mode, and ``plans.OVERLAP_COLLECTIVES`` when it is
+  off), pickled without a memo, so that the bytes depend on values, never on which objects
+  happen to be shared; ``Token``\\ s (unique attributes) are numbered by their first
+  appearance;
 - FLAME's own sources (every ``flame/**/*.py`` and template), so that any change to the
   passes or the code generator makes old entries unreachable;
 - the target arch and multiprocessor count (launch grids), ``FLAME_VERIFY``, Python's and

@@ -1,11 +1,12 @@
 """What a plan is and the parts of planning that need no GPU.
 
 A ``Plan`` is a graph planned for the GPU: its steps (``Launch``, flame/runtime/launch.py,
-or ``LibraryCall``, a library routine) over numbered slots, and what to free when. The
-executor (executor.py) builds one in ``Executor._plan``: the graph over stand-ins of its
-inputs after the pass pipeline (``planned_graph``), each group lowered (with ``_layout_of``
-for its operands' layouts), compiled and loaded, then the slots' releases and the planned
-peak (``_plan_memory``). flame/runtime/plan_payload.py stores and rebuilds plans.
+or ``LibraryCall``, a library routine, or ``CollectiveJoin``) over numbered slots, and what
+to free when. The executor (executor.py) builds one in ``Executor._plan``: the graph over
+stand-ins of its inputs after the pass pipeline (``planned_graph``), each group lowered
+(with ``_layout_of`` for its operands' layouts), compiled and loaded, the collectives
+scheduled to overlap the rest (``overlap_collectives``), then the slots' releases and the
+planned peak (``_plan_memory``). flame/runtime/plan_payload.py stores and rebuilds plans.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class LibraryCall(Record, frozen=True):
     inputs: tuple[int, ...]
     output: int
     views: tuple = ()  # per input: None, or the strided View to read the slot through
+    # a collective run on the communication stream (``overlap_collectives``): the slot that
+    # holds what its ``CollectiveJoin`` waits for; -1: it runs on FLAME's stream
+    pending: int = -1
 
     @classmethod
     def plan(cls, node: Node, slot_of) -> LibraryCall:
@@ -64,7 +68,33 @@ class LibraryCall(Record, frozen=True):
             else strided_array(slots[slot], view.shape, view.strides, view.offset)
             for slot, view in zip(self.inputs, self.views)
         ]  # fmt: skip
+        if self.pending >= 0:
+            from flame.runtime.library_nccl import start_collective
+
+            slots[self.output], slots[self.pending] = start_collective(self.node, arrays)
+            return
         slots[self.output] = run_library(self.node, arrays)
+
+
+class CollectiveJoin(Record, frozen=True):
+    """Where FLAME's stream waits for a collective started on the communication stream
+    (``LibraryCall.pending``): placed before the first step that reads its result, or at the
+    end of the plan (``overlap_collectives``). It counts as a reader of the collective's
+    inputs (``_reads``), so their memory is released only after it: the main stream cannot
+    reuse it while NCCL reads it."""
+
+    node: Node  # the collective's node (for the dump and the plan store)
+    pending: int  # the slot its collective left (done event, arrays read) in
+    inputs: tuple[int, ...]  # the collective's input slots
+
+    def execute(self, slots: list) -> None:
+        pending = slots[self.pending]
+        if pending is None:  # an empty value: nothing was started
+            return
+        slots[self.pending] = None
+        from flame.runtime.library_nccl import join_collective
+
+        join_collective(pending)
 
 
 class Plan(Record, frozen=True):
@@ -127,10 +157,167 @@ def _over_stand_ins(pending: list[Node], inputs: list[Node]) -> tuple[list[Node]
     return [mapped[id(node)] for node in pending], stand_ins
 
 
+# Collectives run on a communication stream of their own (``overlap_collectives``), so data-
+# parallel gradient all-reduces overlap the rest of the backward; False: every step runs on
+# FLAME's one stream, in the fusion pass's order (the plans of before).
+OVERLAP_COLLECTIVES = True
+COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter"})
+
+
+def overlap_collectives(launches: tuple, graph: Graph, slot_count: int):
+    """``(launches, graph, slot_count)`` with the collectives scheduled to overlap the rest
+    of the plan (the buckets' all-reduces of a data-parallel step overlap its backward):
+
+    1. the steps that wait for a collective's result, directly or through other steps (the
+       optimizer's updates of averaged gradients), go after every step that does not (the
+       rest of the backward); a collective that waits for an earlier one takes the later
+       collectives with it, so collectives keep their relative order: NCCL matches them by
+       order, which depends on the graph alone, the same on every rank;
+    2. each collective moves up to right after the last step that writes a slot it reads
+       (or the collective before it): it starts once its bucket is computed;
+    3. it runs on the communication stream (``LibraryCall.pending``: a slot of its own
+       holds what its join waits for), and a ``CollectiveJoin`` makes FLAME's stream wait
+       for it right before the first step that reads its result, or at the end of the plan:
+       every plan ends with its collectives joined, so a synchronize, a host read or the
+       end of a CUDA-graph capture covers them.
+
+    ``graph``'s groups are put in the new order (a step each, the joins aside). A plan is
+    returned as it was where a second stream gains nothing (no step but collectives would
+    run between a collective and its join: a lone ``dist.all_reduce``), where a slot has
+    two writers (the moves assume one), and when ``OVERLAP_COLLECTIVES`` is False."""
+    is_collective = [_is_collective(step) for step in launches]
+    if not OVERLAP_COLLECTIVES or not any(is_collective):
+        return launches, graph, slot_count
+    writers: dict[int, list[int]] = {}
+    for index, step in enumerate(launches):
+        for slot in _writes(step):
+            writers.setdefault(slot, []).append(index)
+    if any(len(found) > 1 for found in writers.values()):
+        return launches, graph, slot_count
+    late = _waiting_steps(launches, is_collective, writers)
+    order = [index for index in range(len(launches)) if index not in late] + sorted(late)
+    order = _hoisted(launches, order, is_collective, writers)
+    steps = [launches[index] for index in order]
+    joins = _join_positions(steps)
+    if not any(
+        any(not _is_collective(step) for step in steps[start + 1 : end])
+        for start, end in joins.items()
+    ):
+        return launches, graph, slot_count
+    scheduled, slot_count = _with_joins(steps, joins, slot_count)
+    groups = tuple(graph.groups[index] for index in order)
+    return scheduled, Graph(graph.outputs, graph.name, groups, graph.remat), slot_count
+
+
+def _is_collective(step) -> bool:
+    """A collective that calls NCCL (an empty value's step calls nothing)."""
+    return isinstance(step, LibraryCall) and step.node.op in COLLECTIVE_OPS and step.node.numel > 0
+
+
+def _waiting_steps(launches, is_collective, writers) -> set[int]:
+    """The steps that read a collective's result or a value made from one, and the
+    collectives after the first collective that does."""
+    late: set[int] = set()
+    late_collective = False
+    for index, step in enumerate(launches):
+        sources = {writer for slot in _reads(step) for writer in writers.get(slot, ())}
+        waits = any(is_collective[source] or source in late for source in sources)
+        if waits or (is_collective[index] and late_collective):
+            late.add(index)
+            late_collective = late_collective or is_collective[index]
+    return late
+
+
+def _hoisted(launches, order: list[int], is_collective, writers) -> list[int]:
+    """``order`` with each collective moved up to right after the last step that writes a
+    slot it reads, or the collective before it."""
+    placed: list[int] = []
+    for index in order:
+        placed.append(index)
+        if not is_collective[index]:
+            continue
+        needed = {writer for slot in _reads(launches[index]) for writer in writers.get(slot, ())}
+        at = len(placed) - 1
+        while at > 0 and placed[at - 1] not in needed and not is_collective[placed[at - 1]]:
+            at -= 1
+        placed.insert(at, placed.pop())
+    return placed
+
+
+def _join_positions(steps: list) -> dict[int, int]:
+    """Per collective (its position in ``steps``): the position of the first step that
+    reads its result, ``len(steps)`` where none does (the plan's end)."""
+    joins: dict[int, int] = {}
+    waiting: dict[int, int] = {}  # result slot -> position of the collective writing it
+    for position, step in enumerate(steps):
+        for slot in _reads(step):
+            start = waiting.pop(slot, None)
+            if start is not None:
+                joins[start] = position
+        if _is_collective(step):
+            waiting[step.output] = position
+            joins[position] = len(steps)
+    return joins
+
+
+def _with_joins(steps: list, joins: dict[int, int], slot_count: int) -> tuple[tuple, int]:
+    """``steps`` with each collective given a pending slot (numbered from ``slot_count``, in
+    plan order) and its join placed at its position in ``joins``; and the new slot count."""
+    calls, before, pending = {}, {}, slot_count
+    for start, end in sorted(joins.items()):
+        old = steps[start]
+        call = LibraryCall(old.node, old.inputs, old.output, old.views, pending)
+        calls[start] = call
+        before.setdefault(end, []).append(CollectiveJoin(call.node, pending, call.inputs))
+        pending += 1
+    scheduled = []
+    for position, step in enumerate(steps):
+        scheduled += before.get(position, ())
+        scheduled.append(calls.get(position, step))
+    scheduled += before.get(len(steps), ())
+    return tuple(scheduled), pending
+
+
 def _reads(step) -> list[int]:
-    if isinstance(step, LibraryCall):
+    if isinstance(step, (LibraryCall, CollectiveJoin)):
         return list(step.inputs)
     return [value for kind, value in step.args if kind == "in"]
+
+
+def _writes(step) -> list[int]:
+    if isinstance(step, Launch):
+        return [slot for slot, _ in step.writes]
+    if isinstance(step, CollectiveJoin):
+        return []
+    return [step.output]
+
+
+def group_steps(plan) -> list:
+    """The steps of ``plan`` that compute its groups, in the order of ``plan.graph.groups``
+    (the joins left out)."""
+    return [step for step in plan.launches if not isinstance(step, CollectiveJoin)]
+
+
+def overlapped_collectives(plan) -> dict[int, int | None]:
+    """Per group of ``plan`` whose collective runs on the communication stream (by index in
+    ``plan.graph.groups``): the index of the group its join comes right before, None where
+    the join ends the plan (for the dump)."""
+    started: dict[int, int] = {}  # pending slot -> group index
+    joined: dict[int, int | None] = {}
+    waiting: list[int] = []
+    count = 0
+    for step in plan.launches:
+        if isinstance(step, CollectiveJoin):
+            waiting.append(started[step.pending])
+            continue
+        for group in waiting:
+            joined[group] = count
+        waiting = []
+        if isinstance(step, LibraryCall) and step.pending >= 0:
+            started[step.pending] = count
+        count += 1
+    joined.update({group: None for group in waiting})
+    return joined
 
 
 def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
@@ -151,8 +338,7 @@ def _plan_memory(launches, input_count: int, output_slots, graph, slot_of):
             size_of[slot_of[id(node)]] = node.numel * node.dtype.itemsize
     live = peak = 0
     for index, step in enumerate(launches):
-        written = [slot for slot, _ in step.writes] if isinstance(step, Launch) else [step.output]
-        live += sum(size_of.get(slot, 0) for slot in written)
+        live += sum(size_of.get(slot, 0) for slot in _writes(step))
         peak = max(peak, live)
         live -= sum(size_of.get(slot, 0) for slot in releases[index])
     return tuple(tuple(sorted(slots)) for slots in releases), peak

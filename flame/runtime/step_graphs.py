@@ -23,6 +23,11 @@ graph. What a capture bakes in, and how a replay keeps it true:
   keeps its values). Gradients the step will set again are dropped before the replay, so a
   training loop pays no copy.
 
+* **Collectives** that a plan runs on the communication stream (flame/runtime/plans.py
+  ``overlap_collectives``) fork from the capture's stream by an event and join back by another
+  before the capture ends: the graph holds both streams' work and their order, and a replay
+  overlaps the all-reduces with the backward as a run step by step does.
+
 Random numbers read their generator's counter from device memory (``flame/random.py``), so a
 replay draws new numbers. A plan with a library call that cannot run under a capture, or a
 capture that fails, runs step by step, as before; the reason is in ``cache_info()``.
@@ -143,7 +148,11 @@ class StepGraphs(GraphCache):
 
 
 def _describe(step) -> str:
+    from flame.runtime.plans import CollectiveJoin
+
     node = getattr(step, "node", None)
+    if isinstance(step, CollectiveJoin):
+        return f"the join of {node.op} (communication stream)"
     if node is not None:
         return f"{node.op} (library call)"
     spec = getattr(step, "spec", None)

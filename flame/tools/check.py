@@ -178,13 +178,14 @@ class CheckRecorder:
     def _check_plan(self, plan, slots) -> None:
         from flame.ir.printer import format_graph, node_names
         from flame.runtime.executor import LibraryCall
+        from flame.runtime.plans import group_steps
 
         self.plans_checked += 1
         graph = plan.graph
         names = node_names(graph)
         # the plan's inputs are stand-ins without memory: their values are the bound slots
         known = {id(node): _host(slots[slot], node) for slot, node in enumerate(plan.inputs)}
-        for index, (group, launch) in enumerate(zip(graph.groups, plan.launches)):
+        for index, (group, launch) in enumerate(zip(graph.groups, group_steps(plan))):
             if isinstance(launch, LibraryCall):
                 known[id(launch.node)] = _host(slots[launch.output], launch.node)
                 continue

@@ -170,11 +170,20 @@ class DumpRecorder:
     def _record_plan(self, plan, passes, seconds) -> GraphRecord:
         from flame.codegen.lower import lower_group
         from flame.runtime.executor import LibraryCall, _layout_of
+        from flame.runtime.plans import group_steps, overlapped_collectives
 
         graph = plan.graph
         record = self._new_record("cuda", graph, passes, seconds)
-        for kernel, group, launch in zip(record.kernels, graph.groups, plan.launches):
+        joins = overlapped_collectives(plan)
+        for kernel, group, launch in zip(record.kernels, graph.groups, group_steps(plan)):
             if isinstance(launch, LibraryCall):
+                if kernel.index in joins:
+                    joined = joins[kernel.index]
+                    where = "the end of the plan" if joined is None else f"k{joined}"
+                    kernel.launch_note += (
+                        f"; on the communication stream (overlaps the kernels after it), "
+                        f"joined before {where}"
+                    )
                 continue
             lowered = lower_group(group, _layout_of)
             kernel.grid, kernel.block = launch.grid, launch.block

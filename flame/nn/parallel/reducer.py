@@ -10,10 +10,14 @@ When each gradient is ready: a post-accumulate-grad hook on every parameter tell
 reducer (``mark_ready``). FLAME's ``backward()`` builds the whole backward graph first and
 then writes every ``.grad``, lazily, so the hooks of one backward all run at its end and
 "ready" means "the graph of this gradient is built", not "computed". The reducer therefore
-waits for the last parameter, realizes every bucket in one schedule (the backward runs once,
-its work shared between buckets) and then all-reduces the buckets in order. There is no
-overlap of communication with the backward in this eager path; the collectives-as-IR path
-(issue 23, another part) is where that belongs.
+waits for the last parameter and then averages every bucket. On the ``gloo`` backend it
+realizes every bucket in one schedule (the backward runs once, its work shared between
+buckets) and then all-reduces them in order, with no overlap. On ``nccl`` each bucket's
+all-reduce is a lazy IR node (``_nccl_average``), planned with the backward (and, inside
+``flame.compile``, with the optimizer: once, with the program): the plan starts each
+all-reduce on a communication stream as soon as its bucket is computed, in the same order
+on every rank, runs the rest of the backward meanwhile, and waits for it before the first
+kernel that reads the average (flame/runtime/plans.py ``overlap_collectives``).
 
 After the all-reduce each ``param.grad`` is a view of its slice of the bucket's buffer (no
 copy, as PyTorch's ``gradient_as_bucket_view=True``; the buffer is new at every
