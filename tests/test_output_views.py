@@ -10,7 +10,7 @@ import pytest
 
 import flame as fl
 from flame.ir.graph import Graph
-from flame.ir.passes import run_pipeline
+from flame.ir.passes import run_pipeline, simplify
 
 
 def _groups(*tensors):
@@ -36,7 +36,9 @@ def test_an_output_view_nothing_else_reads_is_handed_out(rng):
     assert all("no copy" in group[2][0] for group in views)
 
 
-def test_an_output_view_another_value_reads_is_written_out(rng):
+def test_an_output_view_another_value_reads_is_written_out(rng, monkeypatch):
+    # a product read only transposed is computed transposed (no view left to hand out)
+    monkeypatch.setattr(simplify, "TRANSPOSED_PRODUCTS", False)
     with fl.backend("cuda"):
         a, b = _operands(rng)
         transposed = (a @ b).T

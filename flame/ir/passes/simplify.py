@@ -4,8 +4,10 @@ Afterwards: no elementwise node has only constant inputs; movement ops (expand, 
 permute, slice) sit on leaves, reductions or library results, or on a computation too
 expensive to recompute under a broadcast; none is an identity or stacked on one of its kind;
 ``x*1``, ``x/1``, ``x-0``, integer ``x+0``, ``--x``,
-``x**1`` are gone; ``x**2`` is ``x*x``. Rules that would change a float result are not applied
-(``x + 0.0`` turns ``-0.0`` into ``0.0``; ``x * 0`` is not ``0`` for NaN or infinity).
+``x**1`` are gone; ``x**2`` is ``x*x``; a matmul read only through a transpose of its result
+computes the transposed product instead (``TRANSPOSED_PRODUCTS``). Rules that would change a
+float result are not applied (``x + 0.0`` turns ``-0.0`` into ``0.0``; ``x * 0`` is not ``0``
+for NaN or infinity).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from flame.ir.passes.library_views import own_view
 from flame.ir.passes.rewrite import with_inputs
 from flame.ir.passes.row_keys import row_shapes
 from flame.ir.views import MOVEMENT_OPS, resolve
+
+# (A B)^T = B^T A^T: cuBLAS writes a Linear's weight gradient in the parameter's [out, in]
+# layout instead of [in, out] read transposed by clipping and the optimizer (A/B switch)
+TRANSPOSED_PRODUCTS = True
 
 
 def constant_value(node: Node):
@@ -285,6 +291,48 @@ def _cat_of_permutes(node: Node) -> Node | None:
     return make_node("permute", (joined,), {"dims": dims}, node.site)
 
 
+def _swapped_last(rank: int) -> tuple[int, ...]:
+    return tuple(range(rank - 2)) + (rank - 1, rank - 2)
+
+
+def _transposed(operand: Node, site) -> Node:
+    """``operand`` with its last two axes swapped, as a view; a permute under it is folded in
+    (``x.T.T`` is ``x``), so a library call reads one strided view of the same memory."""
+    dims = _swapped_last(len(operand.shape))
+    if operand.op == "permute" and operand.buffer is None:
+        inner = operand.attr("dims")
+        dims = tuple(inner[d] for d in dims)
+        operand = operand.inputs[0]
+        if dims == tuple(range(len(dims))):
+            return operand
+    return make_node("permute", (operand,), {"dims": dims}, site)
+
+
+def _transposed_product(node: Node, uses) -> Node | None:
+    """``permute(matmul(a, b))`` swapping the last two axes, the product's only reader, is
+    ``matmul(b^T, a^T)``: the library writes the result in the order its readers want (a
+    Linear's weight gradient, [in, out] from the vjp, in the parameter's [out, in] order, so
+    clipping and the optimizer read it as plain elementwise kernels, not through a tile
+    transpose). The operands' transposes are free: cuBLAS reads a transposed view with
+    ``OP_T`` (flame/runtime/library_linalg.py). ``uses``: per rewritten value, its readers
+    (a product read also in its own order is not computed twice). Same dtype and attributes:
+    both operands share one dtype, which is the result's."""
+    if not TRANSPOSED_PRODUCTS or node.op != "permute":
+        return None
+    product = node.inputs[0]
+    if product.op != "matmul" or product.buffer is not None or uses.get(id(product)) != 1:
+        return None
+    left, right = product.inputs
+    # equal ranks: no vectors, and no batch of rows times one matrix (one folded GEMM)
+    if len(left.shape) != len(right.shape) or len(left.shape) < 2:
+        return None
+    if node.attr("dims") != _swapped_last(len(node.shape)):
+        return None
+    site = product.site
+    operands = (_transposed(right, site), _transposed(left, site))
+    return make_node("matmul", operands, dict(product.attrs), site)
+
+
 def _same(first: Node, second: Node) -> bool:
     return (
         first.op == second.op and first.attrs == second.attrs
@@ -297,7 +345,8 @@ def simplify(graph: Graph) -> Graph:
     rows = row_shapes(graph)
     # values that will be in memory whatever else happens: the outputs, and (added as they
     # are rewritten) the values library calls read, directly or through views
-    keep = {id(node) for node in graph.outputs}
+    outputs = {id(node) for node in graph.outputs}
+    keep = set(outputs)
     library_reads: set[int] = set()
     for node in graph.nodes:
         if get_op(node.op).kind == "library":
@@ -327,14 +376,20 @@ def simplify(graph: Graph) -> Graph:
         for child in node.inputs:
             readers[id(child)] = readers.get(id(child), 0) + 1
     shared: set[int] = set()  # rewritten values that several ops read
+    uses: dict[int, int] = {}  # per rewritten value: its readers and outputs, aliases summed
 
     mapped: dict[int, Node] = {}  # rewrite(), remembering the values library calls read
     for node in graph.nodes:
         if is_input(node):
             mapped[id(node)] = node
             continue
-        result = visit(with_inputs(node, tuple(mapped[id(child)] for child in node.inputs)))
+        rebuilt = with_inputs(node, tuple(mapped[id(child)] for child in node.inputs))
+        # the product rule sees only a permute built on the product itself (one the visit
+        # composes there may be the product's second reader)
+        result = _transposed_product(rebuilt, uses) or visit(rebuilt)
         mapped[id(node)] = result
+        count = readers.get(id(node), 0) + (id(node) in outputs)
+        uses[id(result)] = uses.get(id(result), 0) + count
         if id(node) in library_reads:
             keep.add(id(result))
         if readers.get(id(node), 0) > 1:
