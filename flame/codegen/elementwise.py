@@ -99,12 +99,21 @@ def lower_elementwise(group: Group, layout_of) -> Lowered:
     return writer.build(prod(space))
 
 
+# the vector width follows the operands read as vectors (contiguous ones) and the outputs:
+# a scalar (an optimizer's int64 step) is read once, a broadcast operand (a float32 bias next
+# to bfloat16 activations) one element a lane, so neither narrows the others' loads
+VEC_FROM_FLAT_READS = True
+
+
 def _choose_vec(sizes, reads, outputs) -> int:
-    itemsizes = [r.base.dtype.itemsize for r in reads] + [o.dtype.itemsize for o in outputs]
-    vec = min(max(1, VECTOR_BYTES // max(itemsizes)), MAX_VEC)
     if not sizes:
         return 1
     flat = contiguous_strides(sizes)
+    sized = reads
+    if VEC_FROM_FLAT_READS:
+        sized = [r for r in reads if r.generated or r.strides == flat]
+    itemsizes = [r.base.dtype.itemsize for r in sized] + [o.dtype.itemsize for o in outputs]
+    vec = min(max(1, VECTOR_BYTES // max(itemsizes)), MAX_VEC)
     for read in reads:
         if read.strides == flat and not read.generated and (not read.aligned or read.offset % vec):
             return 1
