@@ -65,4 +65,4 @@ def test_values_on_the_gpu(columns):
         stepped = (fl.from_numpy(m) * _int64_scalar().float() + 1.0).numpy()
     expected = (x.astype(np.float32) + bias).astype(np.float16)
     np.testing.assert_array_equal(biased, expected)
-    np.testing.assert_allclose(stepped, m * 7.0 + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(stepped, m * 7.0 + 1.0, rtol=1e-6, atol=1e-6)  # FMA or not
