@@ -225,7 +225,7 @@ def _split_leading(node: Node, source: Node, axes, beside_rows=0) -> Node | None
     fits = beside_rows and outputs <= ROW_COLUMN_VALUES  # row_columns checks each kernel
     parts = _strips(lead, _strip_target(outputs)) if fits else None
     if parts is None:
-        parts = _column_parts(lead, outputs)
+        parts = _column_parts(lead, outputs, source.dtype.itemsize)
     if parts == 1:
         return None
     partial = _partial(node, source, (parts, lead // parts) + rest)
@@ -324,12 +324,20 @@ def _cuts(kept: int, reduced: int, target: int = ROW_STRIPS) -> int | None:
     return best
 
 
-def _column_parts(lead: int, outputs: int) -> int:
+# the column kernel's threads each own COLUMN_LANES neighbouring columns (16-byte loads of
+# 16-bit values: 8; reduce.py's thread mode, restated); its blocks walk at least
+# COLUMN_PART_ROWS rows of a part
+COLUMN_LANES = 1
+COLUMN_PART_ROWS = 64
+
+
+def _column_parts(lead: int, outputs: int, itemsize: int = 4) -> int:
+    lanes = max(1, min(COLUMN_LANES, 16 // itemsize))
     parts = 1
     while (
-        outputs * parts < 4 * COLUMN_OUTPUTS
+        outputs * parts < 4 * COLUMN_OUTPUTS * lanes
         and lead % (parts * 2) == 0
-        and lead // (parts * 2) >= 64
+        and lead // (parts * 2) >= COLUMN_PART_ROWS
     ):
         parts *= 2
     return parts
