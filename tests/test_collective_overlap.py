@@ -418,7 +418,12 @@ def test_overlapped_all_reduces_equal_the_serial_ones(nccl_world_of_one, cuda_gr
 
 
 @pytest.mark.gpu
-def test_the_example_ddp_step_is_the_plain_one_with_overlap(nccl_world_of_one, monkeypatch):
+def test_the_example_ddp_step_is_the_same_with_and_without_overlap(nccl_world_of_one, monkeypatch):
+    """The diffusion example's compiled DDP step, overlap on against off, under deterministic
+    algorithms: the same kernels in another order on two streams give the same bits. (Against
+    the plain, unwrapped step the plans differ in their fusion, and AdamW's first steps turn
+    rounding differences of near-zero gradients into +-lr: see test_diffusion_ddp.py for that
+    comparison at a tolerance.)"""
     missing = [name for name in ("sklearn", "PIL", "matplotlib", "tqdm")
                if importlib.util.find_spec(name) is None]  # fmt: skip
     if missing:
@@ -428,30 +433,27 @@ def test_the_example_ddp_step_is_the_plain_one_with_overlap(nccl_world_of_one, m
     from examples.diffusion import parallel, train
     from flame.nn.parallel import DistributedDataParallel
 
-    assert plans.OVERLAP_COLLECTIVES
-    _count_starts(monkeypatch)
     options = train.parse_args(
         ["--preset", "quick", "--size", "tiny", "--image-size", "8", "--batch-size", "8",
          "--warmup", "2", "--out", os.devnull], gpu=False,
     )  # fmt: skip
     config = {"model": "unet", "size": "tiny", "image_size": 8, "channels": 1,
               "num_classes": 10, "schedule": "linear", "prediction": "eps"}  # fmt: skip
-    ddp = train.Trainer(options, config, world=parallel.World(0, 1, "nccl"))
-    plain = train.Trainer(options, config)
-    for trainer in (ddp, plain):
-        trainer.prepare()
-    assert isinstance(ddp.forward_model, DistributedDataParallel)
     rng = np.random.default_rng(5)
     images = fl.tensor(rng.uniform(-1, 1, (8, 1, 8, 8)).astype(np.float32)).realize()
     labels = fl.tensor(np.array([0, 3, 7, 9, 1, 2, 4, 5], dtype=np.int64)).realize()
     dropout = fl.get_rng_state()
-    losses = [ddp.run_step(images, labels)[0].item() for _ in range(4)]
-    # whether a bucket overlaps anything depends on the fusion (the tiny model's gradients
-    # end in one kernel: on the H100 its plan kept the collectives on FLAME's stream); the
-    # MLP test above checks that the communication stream is used where there is overlap
-    fl.set_rng_state(dropout)
-    expected = [plain.run_step(images, labels)[0].item() for _ in range(4)]
-    np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert ddp.compiled.cache_info().traces == 1
-    for (name, mine), theirs in zip(ddp.model.named_parameters(), plain.model.parameters()):
-        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    runs = []
+    for overlap in (True, False):
+        monkeypatch.setattr(plans, "OVERLAP_COLLECTIVES", overlap)
+        fl.set_rng_state(dropout)
+        trainer = train.Trainer(options, config, world=parallel.World(0, 1, "nccl"))
+        trainer.prepare()
+        assert isinstance(trainer.forward_model, DistributedDataParallel)
+        losses = [trainer.run_step(images, labels)[0].item() for _ in range(4)]
+        assert trainer.compiled.cache_info().traces == 1
+        runs.append((losses, [param.numpy() for param in trainer.model.parameters()]))
+    (losses, weights), (serial_losses, serial_weights) = runs
+    np.testing.assert_array_equal(losses, serial_losses)
+    for mine, theirs in zip(weights, serial_weights):
+        np.testing.assert_array_equal(mine, theirs)
