@@ -22,7 +22,7 @@ from flame.codegen.lower import lower_group
 from flame.codegen.render import render
 from flame.ir.graph import Graph
 from flame.ir.ops import get_op
-from flame.ir.passes import run_pipeline, split
+from flame.ir.passes import row_columns, run_pipeline, split
 from flame.ir.passes.split import ROW_COLUMN_VALUES, ROW_STRIPS, _strip_target, _strips
 from flame.runtime.compiler import nvrtc_compile
 from flame.runtime.executor import _layout_of
@@ -210,9 +210,17 @@ def test_softmax_and_a_column_sum_of_its_rows_share_a_kernel(cuda_backend, rng):
     assert _kinds(graph.groups[0]) == 3
 
 
-def test_long_rows_keep_a_column_kernel(cuda_backend, rng):
-    """Rows longer than the registers hold (x two column sums): three kernels as before."""
+def test_long_rows_keep_a_column_kernel(cuda_backend, rng, monkeypatch):
+    """Rows longer than the registers hold (x two column sums): the column sums keep a
+    kernel of their own, which adds its partial sums into the float32 totals atomically
+    (row_columns.PARTIAL_TOTALS; off: the totals are a third kernel, as before)."""
     cols = ROW_COLUMN_VALUES
+    graph = _plan(_layer_norm_fwd_bwd(rng, (4096, cols)))
+    assert len(graph.groups) == 2
+    column = [group for group in graph.groups if _kinds(group) == 2]
+    assert len(column) == 1
+    assert lower_group(column[0], _layout_of).zeroed == (0, 1)
+    monkeypatch.setattr(row_columns, "PARTIAL_TOTALS", False)
     graph = _plan(_layer_norm_fwd_bwd(rng, (4096, cols)))
     assert len(graph.groups) == 3
     assert all(_kinds(group) == 1 for group in graph.groups)

@@ -27,6 +27,9 @@ def rows_strips_totals(group, reduces):
     keys = {(node.inputs[0].shape, node.attr("axes")) for node in reduces}
     if len(keys) == 1:
         return reduces, [], []
+    found = partial_totals(reduces)
+    if found is not None:
+        return found[0], [], found[1]
     from flame.ir.passes.row_columns import column_reductions
     from flame.ir.passes.row_keys import row_key
 
@@ -38,6 +41,23 @@ def rows_strips_totals(group, reduces):
     totals = [node for node in others if id(node.inputs[0]) in inner]
     strips = [node for node in others if id(node.inputs[0]) not in inner]
     return rows, strips, totals
+
+
+def partial_totals(reduces):
+    """``(reductions, totals)`` of a column kernel that adds its partial sums into their
+    float32 totals (split.py's second stage, a sum over axis 0 of one of its reductions,
+    taken over by flame/ir/passes/row_columns.py); None for any other mix."""
+    ids = {id(node) for node in reduces}
+    totals = [
+        node for node in reduces
+        if node.op == "reduce_sum" and node.attr("axes") == (0,) and id(node.inputs[0]) in ids
+        and node.dtype is node.inputs[0].dtype is dtypes.float32
+    ]  # fmt: skip
+    taken = {id(node) for node in totals}
+    rows = [node for node in reduces if id(node) not in taken]
+    if not totals or len({(node.inputs[0].shape, node.attr("axes")) for node in rows}) != 1:
+        return None
+    return rows, totals
 
 
 def atomic_outputs(group, totals, aliases) -> dict[int, object]:
