@@ -48,6 +48,7 @@ from flame.codegen.reduce_space import (
 )  # fmt: skip
 from flame.codegen.reduce_strips import (
     atomic_outputs,
+    partial_total_adds,
     rows_strips_totals,
     strip_sum,
 )  # fmt: skip
@@ -388,25 +389,8 @@ class _ReduceWriter(RowLoads, RowPasses):
             if output.shape != self.shape and id(output) not in self.skipped:
                 value = store(output.dtype, self._value(output, {}))
                 scalars.append(f"out{position}[out{position}_outer] = {value};")
-        scalars.extend(self._partial_totals())
+        scalars.extend(partial_total_adds(self))
         return {"chunk": chunk, "lane": lane, "after": after, "scalars": scalars}
-
-    def _partial_totals(self) -> list[str]:
-        """A column kernel's partial sums added into their float32 totals (zeroed before the
-        launch): the output of ``(P, S, C)`` summed over S is ``outer`` = p * C + c, its
-        total's element c."""
-        lines = []
-        for position, total in sorted(self.atomic.items()):
-            source = total.inputs[0]
-            if any(source is column for column in self.columns):
-                continue  # a strip's total: reduce_strips.strip_sum adds it
-            if self.space.block_mode:
-                raise ValueError("partial sums add into their total in column kernels only")
-            name = f"total{position}_columns"
-            self.params.append(Arg("size", self.index, name, prod(total.shape)))
-            value = self._value(source, {})
-            lines.append(f"atomicAdd(out{position} + outer % {name}, {value});")
-        return lines
 
     def _row_store(self, position, output, values, chunk, lane, after):
         value = store(output.dtype, self._value(output, values))

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from flame.codegen.common import store
 from flame.codegen.doubles import double_text
+from flame.codegen.spec import Arg
 from flame.ir import dtypes
 from flame.ir.ops import get_op
+from flame.ir.shapes import prod
 
 
 def rows_strips_totals(group, reduces):
@@ -58,6 +60,23 @@ def partial_totals(reduces):
     if not totals or len({(node.inputs[0].shape, node.attr("axes")) for node in rows}) != 1:
         return None
     return rows, totals
+
+
+def partial_total_adds(writer) -> list[str]:
+    """A column kernel's partial sums added into their float32 totals (zeroed before the
+    launch): the output of ``(P, S, C)`` summed over S is ``outer`` = p * C + c, its total's
+    element c."""
+    lines = []
+    for position, total in sorted(writer.atomic.items()):
+        source = total.inputs[0]
+        if any(source is column for column in writer.columns):
+            continue  # a strip's total: strip_sum adds it
+        if writer.space.block_mode:
+            raise ValueError("partial sums add into their total in column kernels only")
+        name = f"total{position}_columns"
+        writer.params.append(Arg("size", writer.index, name, prod(total.shape)))
+        lines.append(f"atomicAdd(out{position} + outer % {name}, {writer._value(source, {})});")
+    return lines
 
 
 def atomic_outputs(group, totals, aliases) -> dict[int, object]:

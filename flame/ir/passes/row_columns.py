@@ -74,9 +74,11 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
             if merged_any:
                 break
     if not are_deterministic_algorithms_enabled():
-        groups = _absorb_totals(graph, groups, materialized, position, row_key)
-        if PARTIAL_TOTALS:
-            groups = _absorb_partial_totals(graph, groups, materialized, position)
+        groups = _absorb_totals(
+            graph, groups, materialized, position, lambda group: _strip_sums(group, row_key)
+        )
+        if PARTIAL_TOTALS:  # column kernels of split.py's first stage: the same rule
+            groups = _absorb_totals(graph, groups, materialized, position, _partials)
     return groups
 
 
@@ -101,26 +103,26 @@ def _partials(group: Group) -> set[int]:
     }  # fmt: skip
 
 
-def _absorb_partial_totals(graph, groups: list[Group], materialized, position) -> list[Group]:
-    """Column kernels take over the kernels that only add up their partial sums (float32
-    sums over axis 0, and views of them), adding into the total with ``atomicAdd``."""
+def _absorb_totals(graph, groups: list[Group], materialized, position, sums_of) -> list[Group]:
+    """Kernels that make partial sums (``sums_of(group)``: their ids) take over the kernels
+    that only add them up (float32 sums over axis 0, and views of them): see module doc."""
     graph_outputs = {id(node) for node in graph.outputs}
     for first in list(groups):
-        partials = _partials(first)
-        if not partials:
+        summed = sums_of(first)
+        if not summed:
             continue
-        readers: dict[int, set[int]] = {}
+        readers: dict[int, set[int]] = {}  # partial sums -> groups reading them
         for index, group in enumerate(groups):
             for node in group.nodes:
                 for child in node.inputs:
-                    if id(child) in partials and group is not first:
+                    if id(child) in summed and group is not first:
                         readers.setdefault(id(child), set()).add(index)
         for index, total in enumerate(groups):
-            taken = _totals_of(total, partials)
-            if taken is None or any(
-                id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken
-            ):
+            taken = _totals_of(total, summed)
+            if taken is None:
                 continue
+            if any(id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken):
+                continue  # a partial row someone else reads: it stays written
             taken_ids = {id(s) for s in taken}
             nodes = {id(node): node for node in first.nodes + total.nodes}
             ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
@@ -130,43 +132,14 @@ def _absorb_partial_totals(graph, groups: list[Group], materialized, position) -
             merged = Group("reduce", tuple(ordered), outputs, reasons)
             candidate = [merged if g is first else g for g in groups if g is not total]
             if _acyclic(candidate, materialized):
-                groups = candidate
-            break
+                groups, first = candidate, merged
     return groups
 
 
-def _absorb_totals(graph, groups: list[Group], materialized, position, key_of) -> list[Group]:
-    """Row kernels with strip sums take over the kernels that only add up their partial
-    rows (float32 sums over axis 0 of a strip output, and views of them): see module doc."""
-    graph_outputs = {id(node) for node in graph.outputs}
-    for row in list(groups):
-        mixed = column_reductions(row, key_of) if row.kind == "reduce" else None
-        if mixed is None:
-            continue
-        strips = {id(node) for node in mixed[2]}
-        readers: dict[int, set[int]] = {}  # strip output -> groups reading it
-        for index, group in enumerate(groups):
-            for node in group.nodes:
-                for child in node.inputs:
-                    if id(child) in strips and group is not row:
-                        readers.setdefault(id(child), set()).add(index)
-        for index, total in enumerate(groups):
-            taken = _totals_of(total, strips)
-            if taken is None:
-                continue
-            if any(id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken):
-                continue  # a partial row someone else reads: it stays written
-            taken_ids = {id(s) for s in taken}
-            nodes = {id(node): node for node in row.nodes + total.nodes}
-            ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
-            kept = [(o, r) for o, r in zip(row.outputs, row.reasons) if id(o) not in taken_ids]
-            outputs = tuple(o for o, _ in kept) + total.outputs
-            reasons = tuple(r for _, r in kept) + total.reasons
-            merged = Group("reduce", tuple(ordered), outputs, reasons)
-            candidate = [merged if g is row else g for g in groups if g is not total]
-            if _acyclic(candidate, materialized):
-                groups, row = candidate, merged
-    return groups
+def _strip_sums(group: Group, key_of) -> set[int]:
+    """The strip reductions of a row kernel that has some."""
+    mixed = column_reductions(group, key_of) if group.kind == "reduce" else None
+    return {id(node) for node in mixed[2]} if mixed is not None else set()
 
 
 def _totals_of(group: Group, strips: set[int]) -> list[Node] | None:
