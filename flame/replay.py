@@ -15,6 +15,7 @@ import weakref
 from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
+from flame.ir.ops.collective import COLLECTIVE_OPS
 from flame.runtime import events
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry
@@ -87,7 +88,6 @@ def bind_arrays(sources: tuple, args) -> list:
 # --- the dispatch of one-kernel programs ---------------------------------------------------
 
 
-COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter"})
 _GRAPH_CACHES: weakref.WeakSet = weakref.WeakSet()  # every GraphCache, for release_graphs_of
 MISS = object()  # a compiled call the one-kernel path does not take: the general path runs
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from flame.ir.graph import Graph, is_input
 from flame.ir.node import Node, toposort
 from flame.ir.ops import get_op
+from flame.ir.ops.collective import COLLECTIVE_OPS
 from flame.ir.passes import run_pipeline
 from flame.ir.passes.library_views import library_view
 from flame.ir.shapes import contiguous_strides
@@ -161,7 +162,6 @@ def _over_stand_ins(pending: list[Node], inputs: list[Node]) -> tuple[list[Node]
 # parallel gradient all-reduces overlap the rest of the backward; False: every step runs on
 # FLAME's one stream, in the fusion pass's order (the plans of before).
 OVERLAP_COLLECTIVES = True
-COLLECTIVE_OPS = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter"})
 
 
 def overlap_collectives(launches: tuple, graph: Graph, slot_count: int):
