@@ -111,3 +111,49 @@ def test_values_with_two_outputs_and_an_operand_in_order(backend, rng):
     np.testing.assert_allclose(
         product.float().numpy(), expected * other.numpy(), rtol=2e-3, atol=2e-3
     )
+
+
+def _bf16_layout_change(shape, dims, rng, offset=0):
+    """A 16-bit value (its last axis sliced from ``offset``) copied into another order,
+    plus one in-order operand: the kernel reads the transposed operand in pairs."""
+    values = rng.standard_normal((*shape[:-1], shape[-1] + offset)).astype(np.float32)
+    x = fl.tensor(values, dtype=fl.bfloat16)
+    x = x[..., offset:] if offset else x
+    moved = fl.permute(x, dims)
+    other = fl.tensor(rng.standard_normal(moved.shape).astype(np.float32), dtype=fl.bfloat16)
+    return x, other, (moved + other).clone()
+
+
+def test_16_bit_transposes_move_pairs(cuda_backend, nvrtc, rng):
+    """16-bit operands and outputs go two elements a thread in both phases (4-byte loads
+    and stores); an odd size along a tiled axis is another size class, one element a
+    thread, and both compile."""
+    _, _, y = _bf16_layout_change((4, 64, 8, 8), TO_LAST, rng)
+    (kernel,) = _kernels(y)
+    assert kernel.spec.template == "transpose.cu.j2" and kernel.spec.vec == 2
+    assert "2 lanes" in kernel.spec.size_class
+    source = render(kernel.spec)
+    assert "FlameVec<__nv_bfloat16, 2>" in source or "FlameVec<unsigned short, 2>" in source
+    nvrtc_compile(source, kernel.spec.name, "sm_90")
+    _, _, odd = _bf16_layout_change((4, 63, 8, 8), TO_LAST, rng)
+    (single,) = _kernels(odd)
+    assert single.spec.vec == 1 and "1 lanes" in single.spec.size_class
+    nvrtc_compile(render(single.spec), single.spec.name, "sm_90")
+    assert spec_key(single.spec) != spec_key(kernel.spec)
+    # a view starting at an odd element cannot be read in aligned pairs
+    _, _, shifted = _bf16_layout_change((2, 64, 8, 16), TO_LAST, rng, offset=1)
+    (unaligned,) = _kernels(shifted)
+    assert unaligned.spec.template == "transpose.cu.j2" and unaligned.spec.vec == 1
+
+
+@pytest.mark.parametrize("dims", [TO_LAST, TO_FIRST], ids=["to_nhwc", "to_nchw"])
+@pytest.mark.parametrize(
+    "shape,offset",
+    [((2, 64, 8, 8), 0), ((3, 40, 18, 22), 0), ((2, 66, 10, 16), 1), ((1, 33, 5, 7), 0)],
+)
+def test_16_bit_values(backend, rng, shape, dims, offset):
+    """Pairs, partial tiles, odd sizes and a view at an offset: bit-exact with NumPy."""
+    x, other, y = _bf16_layout_change(shape, dims, rng, offset)
+    expected = np.transpose(x.float().numpy(), dims).astype(np.float32) + other.float().numpy()
+    expected = fl.tensor(expected).to(fl.bfloat16).float().numpy()
+    np.testing.assert_array_equal(y.float().numpy(), expected)

@@ -36,7 +36,14 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import expand_view
 
 TILES = (64, 32)  # the tile's side: the larger one where the operands' tiles fit
-ROWS = 8  # a block is tile x ROWS threads; each handles tile / ROWS elements of the tile
+THREADS = 512  # a block's threads: (tile / lanes) along the contiguous axis x the rest in rows
+# elements a thread moves at once along each phase's contiguous axis, by the storage's
+# bytes: 16-bit values in pairs (4-byte loads and stores; one 2-byte access per element
+# left the kernel at about half of copy speed: notes/performance-session21.md). Where a
+# size, offset or stride does not divide, the kernel moves one element at a time (a size
+# class, named in the dump).
+LANES_16BIT = 2
+LANES_32BIT = 1
 # static shared memory the tiles of one kernel may take (the limit is 48 KiB); a transposed
 # operand past it is read in place
 SHARED_BYTES = 40 * 1024
@@ -94,6 +101,8 @@ class _TileWriter(_Writer):
             and read.strides[axis] == 1 and read.strides[self.last] not in (0, 1)
         ]  # fmt: skip
         self.outer: list[str] = []  # lines: the other axes' indices from the block's number
+        self.before: list[str] = []  # phase two, before a thread's lanes: output vectors
+        self.stores: list[str] = []  # ... and after them: their stores
         sizes = [read.top.dtype.c_compute == "double" and 8 or 4 for read in self.transposed]
         self.tile = next(
             (tile for tile in TILES if sum(sizes) * tile * (tile + 1) <= SHARED_BYTES), TILES[-1]
@@ -104,6 +113,25 @@ class _TileWriter(_Writer):
             if used <= SHARED_BYTES:
                 kept.append(read)
         self.transposed = kept
+        self.lanes = self._lanes()
+
+    def _lanes(self) -> int:
+        """Elements a thread loads and stores at once: the storage's pair where the tiled
+        sizes, the transposed operands' offsets and strides and every output's storage
+        allow aligned vector accesses, else 1."""
+        itemsizes = {read.base.dtype.itemsize for read in self.transposed}
+        itemsizes |= {output.dtype.itemsize for output in self.group.outputs}
+        by_size = {2: LANES_16BIT, 4: LANES_32BIT}
+        lanes = min(by_size.get(size, 1) for size in itemsizes)
+        if lanes == 1 or not self.transposed:
+            return 1
+        if self.sizes[self.axis] % lanes or self.sizes[self.last] % lanes:
+            return 1
+        for read in self.transposed:
+            moved = [s for axis, s in enumerate(read.strides) if axis != self.axis]
+            if read.offset % lanes or any(s % lanes for s in moved):
+                return 1
+        return lanes
 
     def build(self, numel) -> Lowered:
         self.params, buffers = buffer_params(self.group, self.reads)
@@ -119,14 +147,22 @@ class _TileWriter(_Writer):
             self._compute(node)
         for position, output in enumerate(self.group.outputs):
             value = self._value(output, self.values)
-            self.body.append(f"out{position}[out_at] = {store(output.dtype, value)};")
+            if self.lanes == 1:
+                self.body.append(f"out{position}[out_at] = {store(output.dtype, value)};")
+                continue
+            vector = f"FlameVec<{output.dtype.c_storage}, {self.lanes}>"
+            self.before.append(f"{vector} out{position}_vec;")
+            self.body.append(f"out{position}_vec.v[k] = {store(output.dtype, value)};")
+            self.stores.append(
+                f"*reinterpret_cast<{vector}*>(out{position} + out_first) = out{position}_vec;"
+            )
         self.params.extend(self.size_args.values())
         reads = tuple(read.base for read in buffers)
         tiles = 1
         for axis, size in enumerate(self.sizes):
             tiles *= -(-size // self.tile) if axis in (self.axis, self.last) else size
         return Lowered(self._tile_spec(), reads, tuple(self.group.outputs), numel,
-                       grid_items=tiles, threads=self.tile * ROWS)  # fmt: skip
+                       grid_items=tiles, threads=THREADS)  # fmt: skip
 
     def _tile_index(self) -> None:
         """Axis names: ``ia`` and ``il`` for the tiled axes (declared per element by the
@@ -152,12 +188,12 @@ class _TileWriter(_Writer):
                 self.outer.append(f"rest /= size{axis};")
         terms = []
         for axis, stride in enumerate(self.flat):
-            if axis == self.last:
-                terms.append(names[axis])
-            else:
+            if axis != self.last:
                 self.params.append(Arg("stride", self.index, f"out_s{axis}", stride))
                 terms.append(f"{names[axis]} * out_s{axis}")
-        self.out_at = " + ".join(terms)
+        # the output is contiguous along the last axis: a thread's lanes are consecutive
+        self.out_first = " + ".join([*terms, "il_first"])
+        self.out_at = "out_first + k"
 
     def _shared_read(self, read: Read) -> None:
         """A transposed operand: loaded tile-wise into shared memory (phase one), read back
@@ -166,10 +202,21 @@ class _TileWriter(_Writer):
         ctype = read.top.dtype.c_compute
         offset = self._unit_offset(read)
         self.setup.append(f"__shared__ {ctype} {name}_tile[{self.tile}][{self.tile + 1}];")
-        self.prologue.append(
-            f"{name}_tile[row][lane] = {load(read.base.dtype, f'{read.param}[{offset}]')};"
-        )
-        self.body.append(f"const {ctype} {name} = {name}_tile[lane][row];")
+        if self.lanes == 1:
+            self.prologue.append(
+                f"{name}_tile[row][column] = {load(read.base.dtype, f'{read.param}[{offset}]')};"
+            )
+        else:
+            vector = f"FlameVec<{read.base.dtype.c_storage}, {self.lanes}>"
+            self.prologue.append(
+                f"const {vector} {name}_vec = "
+                f"*reinterpret_cast<const {vector}*>({read.param} + {offset});"
+            )
+            self.prologue.extend(
+                f"{name}_tile[row][column + {j}] = {load(read.base.dtype, f'{name}_vec.v[{j}]')};"
+                for j in range(self.lanes)
+            )
+        self.body.append(f"const {ctype} {name} = {name}_tile[column + k][row];")
         self.values[id(read.top)] = self.tail_values[id(read.top)] = name
 
     def _unit_offset(self, read: Read) -> str:
@@ -198,22 +245,26 @@ class _TileWriter(_Writer):
             name=plain.name.replace("flame_ew_", f"flame_tile{self.axis}_", 1),
             template="transpose.cu.j2",
             index_type=self.index,
-            vec=1,
-            block=self.tile * ROWS,
+            block=THREADS,
             params=plain.params,
             header=plain.header,
             helpers=plain.helpers,
             setup=tuple(self.setup),
             prologue=tuple(self.prologue),
             body=(f"const {self.index} out_at = {self.out_at};",) + tuple(self.body),
+            vec=self.lanes,
             epilogue=(),
             extras={
                 "outer": tuple(self.outer),
                 "tile": self.tile,
-                "rows": ROWS,
+                "columns": self.tile // self.lanes,  # threads along a tile's row
+                "rows": THREADS // (self.tile // self.lanes),
+                "out_first": self.out_first,
+                "before": tuple(self.before),
+                "stores": tuple(self.stores),
                 "axis": f"size{self.axis}",
                 "last": f"size{self.last}",
             },  # fmt: skip
             size_class=f"tiled transpose (axis {self.axis} of {len(self.sizes)}), "
-            f"{'int64' if self.index != 'int' else 'int32'} index",
+            f"{self.lanes} lanes, {'int64' if self.index != 'int' else 'int32'} index",
         )
