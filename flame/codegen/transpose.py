@@ -38,12 +38,14 @@ from flame.ir.views import expand_view
 TILES = (64, 32)  # the tile's side: the larger one where the operands' tiles fit
 THREADS = 512  # a block's threads: (tile / lanes) along the contiguous axis x the rest in rows
 # elements a thread moves at once along each phase's contiguous axis, by the storage's
-# bytes: 16-bit values in pairs (4-byte loads and stores; one 2-byte access per element
-# left the kernel at about half of copy speed: notes/performance-session21.md). Where a
+# bytes: pairs (4- and 8-byte loads and stores). One access per element left the kernel at
+# 1.33-1.57 TB/s for bfloat16 and 2.06-2.30 TB/s for float32 NCHW <-> NHWC copies on the
+# H100; in pairs 1.89-2.20 and 2.44-2.73 TB/s (copy: 2.64-2.93; notes/probes/
+# transpose_bench.py, notes/performance-session21.md). Where a
 # size, offset or stride does not divide, the kernel moves one element at a time (a size
 # class, named in the dump).
 LANES_16BIT = 2
-LANES_32BIT = 1
+LANES_32BIT = 2
 # static shared memory the tiles of one kernel may take (the limit is 48 KiB); a transposed
 # operand past it is read in place
 SHARED_BYTES = 40 * 1024
