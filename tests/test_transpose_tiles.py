@@ -127,35 +127,57 @@ def _bf16_layout_change(shape, dims, rng, offset=0):
     return x, other, (moved + other).clone()
 
 
-def test_16_bit_transposes_move_pairs(cuda_backend, nvrtc, rng):
-    """16-bit operands and outputs go two elements a thread in both phases (4-byte loads
-    and stores); an odd size along a tiled axis is another size class, one element a
-    thread, and both compile."""
-    _, _, y = _bf16_layout_change((4, 64, 8, 8), TO_LAST, rng)
-    (kernel,) = _kernels(y)
-    assert kernel.spec.template == "transpose.cu.j2" and kernel.spec.vec == 2
-    assert "2 lanes" in kernel.spec.size_class
-    source = render(kernel.spec)
-    assert "FlameVec<__nv_bfloat16, 2>" in source or "FlameVec<unsigned short, 2>" in source
-    nvrtc_compile(source, kernel.spec.name, "sm_90")
-    _, _, odd = _bf16_layout_change((4, 63, 8, 8), TO_LAST, rng)
-    (single,) = _kernels(odd)
-    assert single.spec.vec == 1 and "1 lanes" in single.spec.size_class
-    nvrtc_compile(render(single.spec), single.spec.name, "sm_90")
-    assert spec_key(single.spec) != spec_key(kernel.spec)
-    # a view starting at an odd element cannot be read in aligned pairs
+def test_16_bit_transposes_move_vectors(cuda_backend, nvrtc, rng):
+    """16-bit operands and outputs go four elements a thread in both phases (8-byte loads
+    and stores), two where the tiled sizes are only even, one where one is odd: three named
+    size classes, each compiled."""
+    keys = set()
+    for channels, lanes in ((64, 4), (62, 2), (63, 1)):
+        _, _, y = _bf16_layout_change((4, channels, 8, 8), TO_LAST, rng)
+        (kernel,) = _kernels(y)
+        assert kernel.spec.template == "transpose.cu.j2" and kernel.spec.vec == lanes
+        assert f"{lanes} lanes" in kernel.spec.size_class
+        source = render(kernel.spec)
+        if lanes > 1:
+            assert f"FlameVec<unsigned short, {lanes}>" in source
+        assert "__shared__ unsigned short" in source  # tiles hold the stored 16-bit values
+        nvrtc_compile(source, kernel.spec.name, "sm_90")
+        keys.add(spec_key(kernel.spec))
+    assert len(keys) == 3
+    # a view starting at an odd element cannot be read in aligned vectors
     _, _, shifted = _bf16_layout_change((2, 64, 8, 16), TO_LAST, rng, offset=1)
     (unaligned,) = _kernels(shifted)
     assert unaligned.spec.template == "transpose.cu.j2" and unaligned.spec.vec == 1
 
 
+def test_a_dozen_16_bit_transposed_operands_share_shared_memory(cuda_backend, rng):
+    """An optimizer-like kernel reading twelve transposed 16-bit gradients keeps every one
+    in a shared-memory tile (2 bytes a value): none is read in place."""
+    grads = [
+        fl.permute(fl.tensor(rng.standard_normal((96, 160)).astype(np.float32),
+                             dtype=fl.bfloat16), (1, 0))
+        for _ in range(12)
+    ]  # fmt: skip
+    params = [fl.tensor(rng.standard_normal((160, 96)).astype(np.float32)) for _ in range(12)]
+    updated = [p - 0.1 * g.float() for p, g in zip(params, grads)]
+    (kernel,) = _kernels(*updated)
+    assert kernel.spec.template == "transpose.cu.j2"
+    assert render(kernel.spec).count("__shared__ unsigned short") == 12
+
+
 @pytest.mark.parametrize("dims", [TO_LAST, TO_FIRST], ids=["to_nhwc", "to_nchw"])
 @pytest.mark.parametrize(
     "shape,offset",
-    [((2, 64, 8, 8), 0), ((3, 40, 18, 22), 0), ((2, 66, 10, 16), 1), ((1, 33, 5, 7), 0)],
+    [
+        ((2, 64, 8, 8), 0),
+        ((3, 40, 18, 22), 0),
+        ((2, 62, 6, 10), 0),
+        ((2, 66, 10, 16), 1),
+        ((1, 33, 5, 7), 0),
+    ],
 )
 def test_16_bit_values(backend, rng, shape, dims, offset):
-    """Pairs, partial tiles, odd sizes and a view at an offset: bit-exact with NumPy."""
+    """Fours, pairs, partial tiles, odd sizes and a view at an offset: bit-exact with NumPy."""
     x, other, y = _bf16_layout_change(shape, dims, rng, offset)
     fl.realize(y)  # written as bfloat16 (a fused read-back would keep the float32 sum)
     expected = np.transpose(x.float().numpy(), dims).astype(np.float32) + other.float().numpy()

@@ -38,13 +38,13 @@ from flame.ir.views import expand_view
 TILES = (64, 32)  # the tile's side: the larger one where the operands' tiles fit
 THREADS = 512  # a block's threads: (tile / lanes) along the contiguous axis x the rest in rows
 # elements a thread moves at once along each phase's contiguous axis, by the storage's
-# bytes: pairs (4- and 8-byte loads and stores). One access per element left the kernel at
-# 1.33-1.57 TB/s for bfloat16 and 2.06-2.30 TB/s for float32 NCHW <-> NHWC copies on the
-# H100; in pairs 1.89-2.20 and 2.44-2.73 TB/s (copy: 2.64-2.93; notes/probes/
-# transpose_bench.py, notes/performance-session21.md). Where a
+# bytes: 8-byte loads and stores. One access per element left the kernel at 1.33-1.57 TB/s
+# for bfloat16 and 2.06-2.30 TB/s for float32 NCHW <-> NHWC copies on the H100; bfloat16 in
+# pairs 1.89-2.20, in fours 2.18-2.61, float32 in pairs 2.44-2.73 TB/s (copy: 2.39-2.93;
+# notes/probes/transpose_bench.py, notes/performance-session21.md). Where a
 # size, offset or stride does not divide, the kernel moves one element at a time (a size
 # class, named in the dump).
-LANES_16BIT = 2
+LANES_16BIT = 4
 LANES_32BIT = 2
 # static shared memory the tiles of one kernel may take (the limit is 48 KiB); a transposed
 # operand past it is read in place
@@ -105,7 +105,9 @@ class _TileWriter(_Writer):
         self.outer: list[str] = []  # lines: the other axes' indices from the block's number
         self.before: list[str] = []  # phase two, before a thread's lanes: output vectors
         self.stores: list[str] = []  # ... and after them: their stores
-        sizes = [read.top.dtype.c_compute == "double" and 8 or 4 for read in self.transposed]
+        # tiles hold the stored values (2 bytes for 16-bit types): a dozen transposed
+        # operands (an optimizer kernel over the weight gradients of one shape) fit
+        sizes = [read.base.dtype.itemsize for read in self.transposed]
         self.tile = next(
             (tile for tile in TILES if sum(sizes) * tile * (tile + 1) <= SHARED_BYTES), TILES[-1]
         )
@@ -118,22 +120,25 @@ class _TileWriter(_Writer):
         self.lanes = self._lanes()
 
     def _lanes(self) -> int:
-        """Elements a thread loads and stores at once: the storage's pair where the tiled
-        sizes, the transposed operands' offsets and strides and every output's storage
-        allow aligned vector accesses, else 1."""
+        """Elements a thread loads and stores at once: the most (up to the storage's
+        ``LANES_*``, halving) that the tiled sizes, the transposed operands' offsets and
+        strides allow as aligned vector accesses; 1 without transposed operands."""
         itemsizes = {read.base.dtype.itemsize for read in self.transposed}
         itemsizes |= {output.dtype.itemsize for output in self.group.outputs}
         by_size = {2: LANES_16BIT, 4: LANES_32BIT}
-        lanes = min(by_size.get(size, 1) for size in itemsizes)
-        if lanes == 1 or not self.transposed:
-            return 1
+        lanes = min(by_size.get(size, 1) for size in itemsizes) if self.transposed else 1
+        while lanes > 1 and not self._aligned(lanes):
+            lanes //= 2
+        return lanes
+
+    def _aligned(self, lanes: int) -> bool:
         if self.sizes[self.axis] % lanes or self.sizes[self.last] % lanes:
-            return 1
+            return False
         for read in self.transposed:
             moved = [s for axis, s in enumerate(read.strides) if axis != self.axis]
             if read.offset % lanes or any(s % lanes for s in moved):
-                return 1
-        return lanes
+                return False
+        return True
 
     def build(self, numel) -> Lowered:
         self.params, buffers = buffer_params(self.group, self.reads)
@@ -201,24 +206,22 @@ class _TileWriter(_Writer):
         """A transposed operand: loaded tile-wise into shared memory (phase one), read back
         at the element's place (phase two)."""
         name = f"v{len(self.values)}"
-        ctype = read.top.dtype.c_compute
+        ctype, stored = read.top.dtype.c_compute, read.base.dtype.c_storage
         offset = self._unit_offset(read)
-        self.setup.append(f"__shared__ {ctype} {name}_tile[{self.tile}][{self.tile + 1}];")
+        self.setup.append(f"__shared__ {stored} {name}_tile[{self.tile}][{self.tile + 1}];")
         if self.lanes == 1:
-            self.prologue.append(
-                f"{name}_tile[row][column] = {load(read.base.dtype, f'{read.param}[{offset}]')};"
-            )
+            self.prologue.append(f"{name}_tile[row][column] = {read.param}[{offset}];")
         else:
-            vector = f"FlameVec<{read.base.dtype.c_storage}, {self.lanes}>"
+            vector = f"FlameVec<{stored}, {self.lanes}>"
             self.prologue.append(
                 f"const {vector} {name}_vec = "
                 f"*reinterpret_cast<const {vector}*>({read.param} + {offset});"
             )
             self.prologue.extend(
-                f"{name}_tile[row][column + {j}] = {load(read.base.dtype, f'{name}_vec.v[{j}]')};"
-                for j in range(self.lanes)
+                f"{name}_tile[row][column + {j}] = {name}_vec.v[{j}];" for j in range(self.lanes)
             )
-        self.body.append(f"const {ctype} {name} = {name}_tile[column + k][row];")
+        value = load(read.base.dtype, f"{name}_tile[column + k][row]")
+        self.body.append(f"const {ctype} {name} = {value};")
         self.values[id(read.top)] = self.tail_values[id(read.top)] = name
 
     def _unit_offset(self, read: Read) -> str:
