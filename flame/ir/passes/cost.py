@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from flame.ir.graph import is_input
 from flame.ir.node import Node
+from flame.ir.ops import get_op
 
 # Up to this many ops under a broadcast are recomputed per element of the larger tensor:
 # cheaper than a kernel launch and a round trip through memory.
 RECOMPUTE_LIMIT = 8
 
 
-def computed_size(root: Node, stops=frozenset()) -> int:
-    """Number of non-movement ops under ``root`` that a kernel would recompute."""
+def computed_size(root: Node, stops=frozenset(), reductions: bool = True) -> int:
+    """Number of non-movement ops under ``root`` that a kernel would recompute; without
+    ``reductions``, a reduction counts as one op and what it reads is not walked (no kernel
+    recomputes a reduction per element of another shape: its own row kernel computes it
+    once a row, any other kernel reads it from memory)."""
     count = 0
     seen: set[int] = set()
     stack = [root]
@@ -24,5 +28,6 @@ def computed_size(root: Node, stops=frozenset()) -> int:
         seen.add(id(node))
         if node.inputs and node.op not in ("expand", "reshape", "permute", "slice"):
             count += 1
-        stack.extend(node.inputs)
+        if reductions or get_op(node.op).kind != "reduce":
+            stack.extend(node.inputs)
     return count

@@ -52,7 +52,7 @@ def materialized_values(graph: Graph, views) -> tuple[dict[int, Node], dict[int,
                 _choose_library_read(node, child, chosen, choose)
         elif node.op == "expand" and not is_input(node.inputs[0]):
             source = node.inputs[0]
-            cost = computed_size(source, set(chosen))
+            cost = computed_size(source, set(chosen), reductions=BROADCAST_COST_OF_REDUCTIONS)
             if cost > RECOMPUTE_LIMIT:
                 ratio = node.numel // max(source.numel, 1)
                 choose(source, f"broadcast of {cost} ops would be recomputed {ratio}x")
@@ -87,6 +87,14 @@ def _choose_library_read(node: Node, child: Node, chosen, choose) -> None:
     elif not is_input(view[0]):
         choose(view[0], f"read by {node.op} through a view (no copy)")
 
+
+# Whether the ops under a reduction count toward the cost of recomputing a broadcast value
+# computed from it (a norm's mean and 1/std broadcast over the rows). No kernel recomputes a
+# reduction per element: its row kernel computes it once a row, other kernels read it. When
+# they counted, a norm whose input is itself computed (a conv result plus a bias and a time
+# embedding) had its statistics written out, and its normalised output left the row kernel
+# for an elementwise kernel that read the input a second time.
+BROADCAST_COST_OF_REDUCTIONS = False
 
 # A value read by several ops whose recomputation reads more than this many in-memory values
 # of its own size is written once: each kernel recomputing it would read them all, and along
