@@ -51,24 +51,40 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     graph_outputs = {id(node) for node in graph.outputs}
     groups = list(groups)
+    # each scan starts again from the first column after a merge; a pair of groups that
+    # did not merge gives the same answer again (``_merge`` depends on the two groups
+    # only), so the answers are kept for this call, by the ids of groups kept alive here
+    # (every group the list ever holds; the merges, by ``merges``)
+    alive = list(groups)
+    strips: dict[int, list[Node] | None] = {}
+    merges: dict[tuple[int, int], Group | None] = {}
+    reads: dict[int, frozenset[int]] = {}
     merged_any = True
     while merged_any:
         merged_any = False
         for column in groups:
-            reduces = _strip_reductions(column, row_key)
+            if id(column) not in strips:
+                strips[id(column)] = _strip_reductions(column, row_key)
+            reduces = strips[id(column)]
             if reduces is None:
                 continue
             for row in groups:
                 if row is column or row.kind != "reduce":
                     continue
-                merged = _merge(row, column, reduces, materialized, position, row_key)
+                pair = (id(row), id(column))
+                if pair in merges:
+                    merged = merges[pair]
+                else:
+                    merged = _merge(row, column, reduces, materialized, position, row_key)
+                    merges[pair] = merged
                 if merged is None:
                     continue
                 candidate = [merged if g is row else g for g in groups if g is not column]
-                if not _acyclic(candidate, materialized):
+                if not _acyclic(candidate, materialized, reads):
                     continue
                 index = candidate.index(merged)
                 candidate[index] = _prune(merged, candidate, graph_outputs, row_key)
+                alive.append(candidate[index])
                 groups, merged_any = candidate, True
                 break
             if merged_any:
@@ -310,11 +326,18 @@ def _prune(group: Group, groups, graph_outputs, key_of) -> Group:
     return Group(group.kind, group.nodes, tuple(kept), tuple(reasons))
 
 
-def _acyclic(groups: list[Group], materialized) -> bool:
+def _acyclic(groups: list[Group], materialized, reads: dict | None = None) -> bool:
+    """``reads``: each group's materialized reads by ``id`` of the group (the caller keeps
+    the groups alive while it keeps the cache)."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
     sorter = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
     for index, group in enumerate(groups):
-        for key in materialized_reads(group, materialized):
+        found = reads.get(id(group)) if reads is not None else None
+        if found is None:
+            found = materialized_reads(group, materialized)
+            if reads is not None:
+                reads[id(group)] = found
+        for key in found:
             source = producer.get(key)
             if source is not None and source != index:
                 sorter.add(index, source)
