@@ -9,23 +9,23 @@ value.
 
 from __future__ import annotations
 
-from flame.ir.graph import Group
 
-
-def cyclic_components(needs: list[set[int]]) -> list[set[int]]:
+def cyclic_components(needs) -> list[set[int]]:
     """The kernels that wait for each other: the strongly connected components of more than
-    one kernel of the graph ``index -> needs[index]`` (Tarjan's algorithm, without
-    recursion: one pass over the kernels and their edges)."""
+    one kernel of the graph ``kernel -> needs[kernel]`` (Tarjan's algorithm, without
+    recursion: one pass over the kernels and their edges). ``needs``: a list (kernels are
+    its indices) or a dict (its keys)."""
+    kernels = needs.keys() if isinstance(needs, dict) else range(len(needs))
     index_of: dict[int, int] = {}
     low: dict[int, int] = {}
     on_stack: set[int] = set()
     stack: list[int] = []
     found: list[set[int]] = []
     counter = 0
-    for start in range(len(needs)):
+    for start in kernels:
         if start in index_of:
             continue
-        work = [(start, iter(sorted(needs[start])))]
+        work = [(start, iter(needs[start]))]
         index_of[start] = low[start] = counter
         counter += 1
         stack.append(start)
@@ -39,7 +39,7 @@ def cyclic_components(needs: list[set[int]]) -> list[set[int]]:
                     counter += 1
                     stack.append(target)
                     on_stack.add(target)
-                    work.append((target, iter(sorted(needs[target]))))
+                    work.append((target, iter(needs[target])))
                     advanced = True
                     break
                 if target in on_stack:
@@ -63,11 +63,13 @@ def cyclic_components(needs: list[set[int]]) -> list[set[int]]:
     return found
 
 
-def split_in_two(groups: list[Group], chosen: int, readers: list[list[int]], members):
+def split_in_two(groups, chosen: int, readers, members, producer: dict | None = None):
     """The roots of ``groups[chosen]`` as ``[early, late]``: ``late`` roots read (themselves
     or through other late roots of the kernel) a value of a kernel that waits, directly or
     not, for this one. ``readers``: per kernel, the kernels that read it; ``members(root)``:
-    what a kernel computing ``root`` computes. None when either part would be empty."""
+    what a kernel computing ``root`` computes; ``producer``: the kernel writing each value
+    (by ``id``), when the caller keeps one. ``groups``, ``readers``: lists (kernels are
+    indices) or dicts. None when either part would be empty."""
     group = groups[chosen]
     waiting: set[int] = set()
     stack = [chosen]
@@ -77,7 +79,8 @@ def split_in_two(groups: list[Group], chosen: int, readers: list[list[int]], mem
             if index not in waiting and index != chosen:
                 waiting.add(index)
                 stack.append(index)
-    producer = {id(out): index for index, other in enumerate(groups) for out in other.outputs}
+    if producer is None:
+        producer = _producers(groups)
     own = {id(root) for root in group.outputs}
     reads: dict[int, set[int]] = {}
     for root in group.outputs:
@@ -103,7 +106,7 @@ def split_in_two(groups: list[Group], chosen: int, readers: list[list[int]], mem
     return [early, rest] if early and rest else None
 
 
-def split_by_levels(groups: list[Group], chosen: int, needs, reads: dict, members):
+def split_by_levels(groups, chosen: int, needs, reads: dict, members, components=(), producer=None):
     """The roots of ``groups[chosen]`` in as many parts as the dependencies through other
     kernels need, all at once: each root's level is the largest number of times a path to
     it leaves this kernel for another one (a root, another kernel reading it, a root reading
@@ -111,14 +114,21 @@ def split_by_levels(groups: list[Group], chosen: int, needs, reads: dict, member
     one level a round (a deep model's backward merges a value of every layer into one
     kernel: one round per layer). ``reads``: per group (by id) the materialized values it
     reads; None when the kernels other than this one still wait for each other in a cycle
-    (then ``split_in_two`` decides) or when one level would hold every root."""
+    (then ``split_in_two`` decides) or when one level would hold every root. ``components``:
+    the kernels' cyclic components, when the caller has them: a cycle left among the other
+    kernels is then found without building the graph of roots and kernels (same answer);
+    ``producer``: as ``split_in_two``'s. ``groups``, ``needs``: lists or dicts, as there."""
     import graphlib
 
+    for component in components:
+        if chosen not in component or _still_cyclic(needs, component - {chosen}):
+            return None
     group = groups[chosen]
     own = {id(root): root for root in group.outputs}
-    producer = {id(out): index for index, other in enumerate(groups) for out in other.outputs}
+    if producer is None:
+        producer = _producers(groups)
     graph: dict[tuple, set[tuple]] = {}  # node -> its predecessors
-    for index, sources in enumerate(needs):
+    for index, sources in needs.items() if isinstance(needs, dict) else enumerate(needs):
         if index == chosen:
             continue
         preds = graph.setdefault(("k", index), set())
@@ -157,3 +167,35 @@ def split_by_levels(groups: list[Group], chosen: int, needs, reads: dict, member
     if len(parts) < 2:
         return None
     return [parts[key] for key in sorted(parts)]
+
+
+def _producers(groups) -> dict[int, int]:
+    items = groups.items() if isinstance(groups, dict) else enumerate(groups)
+    return {id(out): index for index, other in items for out in other.outputs}
+
+
+def _still_cyclic(needs, kernels: set[int]) -> bool:
+    """Whether some of ``kernels`` wait for each other in a cycle (over the edges of
+    ``needs`` between them): a depth-first walk stops at the first edge back to a kernel on
+    its path (a deep model's backward: soon), else it has seen them all."""
+    done: set[int] = set()
+    for start in kernels:
+        if start in done:
+            continue
+        path = {start}
+        work = [(start, iter(needs[start]))]
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in kernels or target in done or target == node:
+                    continue
+                if target in path:
+                    return True
+                path.add(target)
+                work.append((target, iter(needs[target])))
+                break
+            else:
+                work.pop()
+                path.discard(node)
+                done.add(node)
+    return False
