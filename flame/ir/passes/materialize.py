@@ -123,6 +123,8 @@ def _wide_reads(node: Node, chosen) -> int:
         seen.add(id(value))
         if is_input(value) or id(value) in chosen:
             count += value.numel >= size
-        else:
+        elif BROADCAST_COST_OF_REDUCTIONS or get_op(value.op).kind != "reduce":
             stack.extend(value.inputs)
+        # (a reduction's input is not read again by a kernel recomputing ``node``: the
+        # reduction is computed once a row by its own kernel, or read from memory)
     return count
