@@ -33,8 +33,6 @@ other dtypes keep the partial rows (their result would need a float32 accumulato
 
 from __future__ import annotations
 
-import graphlib
-
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir import dtypes
 from flame.ir.graph import Group, is_input
@@ -54,47 +52,59 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
     # each scan starts again from the first column after a merge; a pair of groups that
     # did not merge gives the same answer again (``_merge`` depends on the two groups
     # only), so the answers are kept for this call, by the ids of groups kept alive here
-    # (every group the list ever holds; the merges, by ``merges``)
-    alive = list(groups)
+    # (every group the list ever holds, ``made``, in the order they were first held; the
+    # merges, by ``merges``). A scan then asks each column only about the groups made
+    # since it last asked, and tries the rows it merges with in the list's order.
+    made = list(groups)
+    alive = made
     strips: dict[int, list[Node] | None] = {}
     merges: dict[tuple[int, int], Group | None] = {}
+    asked: dict[int, int] = {}  # per column: how many of ``made`` it has been asked about
+    fits: dict[int, list[Group]] = {}  # per column: the rows ``_merge`` joins it to
     reads: dict[int, frozenset[int]] = {}
+    known: dict[tuple, object] = {}  # _merge's answers about one group, by its id
     merged_any = True
     while merged_any:
         merged_any = False
+        place = {id(group): index for index, group in enumerate(groups)}
         for column in groups:
             if id(column) not in strips:
                 strips[id(column)] = _strip_reductions(column, row_key)
             reduces = strips[id(column)]
             if reduces is None:
                 continue
-            for row in groups:
-                if row is column or row.kind != "reduce":
+            found = fits.setdefault(id(column), [])
+            for row in made[asked.get(id(column), 0) :]:
+                if row is column or row.kind != "reduce" or id(row) not in place:
                     continue
-                pair = (id(row), id(column))
-                if pair in merges:
-                    merged = merges[pair]
-                else:
-                    merged = _merge(row, column, reduces, materialized, position, row_key)
-                    merges[pair] = merged
-                if merged is None:
-                    continue
+                merged = _merge(row, column, reduces, materialized, position, row_key, known)
+                merges[(id(row), id(column))] = merged
+                if merged is not None:
+                    found.append(row)
+            asked[id(column)] = len(made)
+            found[:] = [row for row in found if id(row) in place]
+            found.sort(key=lambda row: place[id(row)])
+            for row in found:
+                merged = merges[(id(row), id(column))]
                 candidate = [merged if g is row else g for g in groups if g is not column]
                 if not _acyclic(candidate, materialized, reads):
                     continue
                 index = candidate.index(merged)
-                candidate[index] = _prune(merged, candidate, graph_outputs, row_key)
-                alive.append(candidate[index])
+                candidate[index] = _prune(merged, candidate, graph_outputs, row_key, known)
+                made.append(candidate[index])
                 groups, merged_any = candidate, True
                 break
             if merged_any:
                 break
     if not are_deterministic_algorithms_enabled():
         groups = _absorb_totals(
-            graph, groups, materialized, position, lambda group: _strip_sums(group, row_key)
-        )
+            graph, groups, materialized, position, lambda group: _strip_sums(group, row_key),
+            known, reads, alive,
+        )  # fmt: skip
         if PARTIAL_TOTALS:  # column kernels of split.py's first stage: the same rule
-            groups = _absorb_totals(graph, groups, materialized, position, _partials)
+            groups = _absorb_totals(
+                graph, groups, materialized, position, _partials, known, reads, alive
+            )
     return groups
 
 
@@ -119,9 +129,16 @@ def _partials(group: Group) -> set[int]:
     }  # fmt: skip
 
 
-def _absorb_totals(graph, groups: list[Group], materialized, position, sums_of) -> list[Group]:
+def _absorb_totals(
+    graph, groups: list[Group], materialized, position, sums_of, known=None, reads=None,
+    alive=None,
+) -> list[Group]:  # fmt: skip
     """Kernels that make partial sums (``sums_of(group)``: their ids) take over the kernels
-    that only add them up (float32 sums over axis 0, and views of them): see module doc."""
+    that only add them up (float32 sums over axis 0, and views of them): see module doc.
+    ``known``, ``reads``: answers about groups kept by the caller for this call (by ``id``;
+    ``alive``, a list the caller keeps, holds every group they are kept for)."""
+    known = {} if known is None else known
+    alive = [] if alive is None else alive
     graph_outputs = {id(node) for node in graph.outputs}
     for first in list(groups):
         summed = sums_of(first)
@@ -129,12 +146,12 @@ def _absorb_totals(graph, groups: list[Group], materialized, position, sums_of) 
             continue
         readers: dict[int, set[int]] = {}  # partial sums -> groups reading them
         for index, group in enumerate(groups):
-            for node in group.nodes:
-                for child in node.inputs:
-                    if id(child) in summed and group is not first:
-                        readers.setdefault(id(child), set()).add(index)
+            if group is first:
+                continue
+            for child in _inputs(group, known) & summed:
+                readers.setdefault(child, set()).add(index)
         for index, total in enumerate(groups):
-            taken = _totals_of(total, summed)
+            taken = _totals_of(total, summed, known)
             if taken is None:
                 continue
             if any(id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken):
@@ -146,8 +163,9 @@ def _absorb_totals(graph, groups: list[Group], materialized, position, sums_of) 
             outputs = tuple(o for o, _ in kept) + total.outputs
             reasons = tuple(r for _, r in kept) + total.reasons
             merged = Group("reduce", tuple(ordered), outputs, reasons)
+            alive.append(merged)
             candidate = [merged if g is first else g for g in groups if g is not total]
-            if _acyclic(candidate, materialized):
+            if _acyclic(candidate, materialized, reads):
                 groups, first = candidate, merged
     return groups
 
@@ -158,9 +176,24 @@ def _strip_sums(group: Group, key_of) -> set[int]:
     return {id(node) for node in mixed[2]} if mixed is not None else set()
 
 
-def _totals_of(group: Group, strips: set[int]) -> list[Node] | None:
+def _totals_of(group: Group, strips: set[int], known=None) -> list[Node] | None:
     """The strip outputs a group only sums over axis 0 in float32 (plus views of the sums,
-    nothing else, every output a sum or a view of one); None for any other group."""
+    nothing else, every output a sum or a view of one); None for any other group.
+    ``known``: as ``_merge``'s."""
+    if known is None:
+        taken = _summed_sources(group)
+    else:
+        taken = known.get(("summed", id(group)), known)
+        if taken is known:
+            taken = known[("summed", id(group))] = _summed_sources(group)
+    if taken is None or any(id(source) not in strips for source in taken):
+        return None
+    return taken or None
+
+
+def _summed_sources(group: Group) -> list[Node] | None:
+    """What a group sums over axis 0 in float32, when that and views of the sums is all it
+    computes and every output is a sum or a view of one; else None."""
     if group.kind != "reduce":
         return None
     members = {id(node) for node in group.nodes}
@@ -169,7 +202,7 @@ def _totals_of(group: Group, strips: set[int]) -> list[Node] | None:
     for node in group.nodes:
         if node.op == "reduce_sum" and node.attr("axes") == (0,):
             source = node.inputs[0]
-            if id(source) not in strips or not (source.dtype is node.dtype is dtypes.float32):
+            if not (source.dtype is node.dtype is dtypes.float32):
                 return None
             sums.add(id(node))
             taken.append(source)
@@ -182,7 +215,7 @@ def _totals_of(group: Group, strips: set[int]) -> list[Node] | None:
             output = output.inputs[0]
         if id(output) not in sums:
             return None
-    return taken or None
+    return taken
 
 
 def column_reductions(group: Group, key_of) -> tuple[tuple, list[Node], list[Node]] | None:
@@ -235,15 +268,15 @@ def _base_view(node: Node) -> View:
     return storage_view(node) if is_input(node) else View.contiguous(node.shape)
 
 
-def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
-    mixed = column_reductions(row, key_of)
-    if mixed is not None:
-        key, _, existing = mixed
-    else:
-        keys = {key_of(node) for node in row.nodes if get_op(node.op).kind == "reduce"}
-        if len(keys) != 1 or not _is_row_key(next(iter(keys))):
-            return None
-        key, existing = next(iter(keys)), []
+def _merge(row: Group, column: Group, reduces, materialized, position, key_of, known=None):
+    """The row kernel with the column group joined, or None (module doc). ``known``: a dict
+    that keeps what is asked of one group (its row key, its reads) by the group's ``id``,
+    for a caller that asks about many pairs of the same groups (and keeps them alive)."""
+    known = {} if known is None else known
+    found = _cached(known, "row", row, lambda: _row_reductions(row, key_of))
+    if found is None:
+        return None
+    key, existing = found
     shape, axes = key
     strip_shape = key_of(reduces[0])[0]
     if existing and key_of(existing[0])[0] != strip_shape:
@@ -253,13 +286,69 @@ def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
         return None
     if length * (len(existing) + len(reduces)) > ROW_COLUMN_VALUES:
         return None
-    row_ids = {id(node) for node in row.nodes}
-    column_ids = {id(node) for node in column.nodes}
+    row_ids = _cached(known, "ids", row, lambda: {id(node) for node in row.nodes})
     written = {id(node) for node in column.outputs}
-    if any(id(child) in written for node in row.nodes for child in node.inputs):
+    if not written.isdisjoint(_inputs(row, known)):
         return None
-    row_bases = _read_bases(row, row_ids)
+    row_bases = _cached(known, "bases", row, lambda: _read_bases(row, row_ids))
+    column_reads = _cached(known, "column", column, lambda: _column_reads(column))
+    if column_reads is None:
+        return None
     shares = False
+    for base, view in column_reads:
+        flat = reshape_view(view, shape) if view.shape != shape else view
+        if flat is None:
+            return None
+        if id(base) in row_ids:  # becomes a value of the kernel itself
+            per_row = base.shape in scalar_shapes(key) and row_view_fits(flat, key)
+            whole = base.shape == shape and flat == View.contiguous(shape)
+            if not (per_row or whole):
+                return None
+            shares = True
+        elif id(base) in row_bases:
+            shares = True
+    if not shares:
+        return None  # nothing read twice: joining would save nothing
+    nodes = {id(node): node for node in row.nodes + column.nodes}
+    ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
+    return Group(
+        "reduce", tuple(ordered), row.outputs + column.outputs, row.reasons + column.reasons
+    )
+
+
+def _cached(known: dict, what: str, group: Group, make):
+    found = known.get((what, id(group)), known)
+    if found is known:
+        found = known[(what, id(group))] = make()
+    return found
+
+
+def _inputs(group: Group, known: dict) -> set[int]:
+    """The ids of the values a group's nodes read (its own included)."""
+    return _cached(
+        known, "inputs", group,
+        lambda: {id(child) for node in group.nodes for child in node.inputs},
+    )  # fmt: skip
+
+
+def _row_reductions(row: Group, key_of):
+    """(row key, strip reductions) of a row kernel a column group may join, else None."""
+    mixed = column_reductions(row, key_of)
+    if mixed is not None:
+        key, _, existing = mixed
+        return key, existing
+    keys = {key_of(node) for node in row.nodes if get_op(node.op).kind == "reduce"}
+    if len(keys) != 1 or not _is_row_key(next(iter(keys))):
+        return None
+    return next(iter(keys)), []
+
+
+def _column_reads(column: Group):
+    """(base, view) of every value the column group reads from outside (through views);
+    None when one of them cannot join a row kernel whatever it is (no strided view, or a
+    value of the group itself seen through a view)."""
+    column_ids = {id(node) for node in column.nodes}
+    found = []
     for node in column.nodes:
         if node.op in MOVEMENT_OPS:
             continue
@@ -274,24 +363,8 @@ def _merge(row: Group, column: Group, reduces, materialized, position, key_of):
                 if base.op == "const":
                     continue
                 return None  # a value of the column group seen through a view
-            flat = reshape_view(view, shape) if view.shape != shape else view
-            if flat is None:
-                return None
-            if id(base) in row_ids:  # becomes a value of the kernel itself
-                per_row = base.shape in scalar_shapes(key) and row_view_fits(flat, key)
-                whole = base.shape == shape and flat == View.contiguous(shape)
-                if not (per_row or whole):
-                    return None
-                shares = True
-            elif id(base) in row_bases:
-                shares = True
-    if not shares:
-        return None  # nothing read twice: joining would save nothing
-    nodes = {id(node): node for node in row.nodes + column.nodes}
-    ordered = sorted(nodes.values(), key=lambda node: position[id(node)])
-    return Group(
-        "reduce", tuple(ordered), row.outputs + column.outputs, row.reasons + column.reasons
-    )
+            found.append((base, view))
+    return found
 
 
 def _read_bases(group: Group, member_ids) -> set[int]:
@@ -308,14 +381,16 @@ def _read_bases(group: Group, member_ids) -> set[int]:
     return bases
 
 
-def _prune(group: Group, groups, graph_outputs, key_of) -> Group:
-    """Drop the per-row values the kernel wrote only for kernels it has now absorbed."""
+def _prune(group: Group, groups, graph_outputs, key_of, known=None) -> Group:
+    """Drop the per-row values the kernel wrote only for kernels it has now absorbed.
+    ``known``: as ``_merge``'s."""
+    known = {} if known is None else known
     key = column_reductions(group, key_of)[0]
-    read_elsewhere = {
-        id(child)
-        for other in groups if other is not group
-        for node in other.nodes for child in node.inputs
-    }  # fmt: skip
+    outputs = {id(output) for output in group.outputs}
+    read_elsewhere = set()
+    for other in groups:
+        if other is not group:
+            read_elsewhere |= _inputs(other, known) & outputs
     kept, reasons = [], []
     for output, reason in zip(group.outputs, group.reasons):
         unused = id(output) not in graph_outputs and id(output) not in read_elsewhere
@@ -327,22 +402,31 @@ def _prune(group: Group, groups, graph_outputs, key_of) -> Group:
 
 
 def _acyclic(groups: list[Group], materialized, reads: dict | None = None) -> bool:
-    """``reads``: each group's materialized reads by ``id`` of the group (the caller keeps
+    """Whether no group waits for itself through others (Kahn's algorithm sorts them all).
+    ``reads``: each group's materialized reads by ``id`` of the group (the caller keeps
     the groups alive while it keeps the cache)."""
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
-    sorter = graphlib.TopologicalSorter({index: set() for index in range(len(groups))})
+    waiting = [0] * len(groups)
+    readers: list[list[int]] = [[] for _ in groups]
     for index, group in enumerate(groups):
         found = reads.get(id(group)) if reads is not None else None
         if found is None:
             found = materialized_reads(group, materialized)
             if reads is not None:
                 reads[id(group)] = found
-        for key in found:
-            source = producer.get(key)
-            if source is not None and source != index:
-                sorter.add(index, source)
-    try:
-        sorter.prepare()
-    except graphlib.CycleError:
-        return False
-    return True
+        sources = {producer.get(key) for key in found}
+        sources.discard(None)
+        sources.discard(index)
+        waiting[index] = len(sources)
+        for source in sources:
+            readers[source].append(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    done = 0
+    while ready:
+        index = ready.pop()
+        done += 1
+        for reader in readers[index]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                ready.append(reader)
+    return done == len(groups)
