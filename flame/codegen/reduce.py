@@ -59,6 +59,13 @@ from flame.ir.shapes import contiguous_strides, prod
 from flame.ir.views import expand_view, reshape_view
 
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
+# Rows of up to 32 lanes x WARP_MAX_ITEMS chunks (1,024 bf16 or 512 float32 values: a DiT's
+# layer norms over 384) run a warp a row, WARP_ROWS rows a block, combined by shuffles alone,
+# in one size class (each lane's cache is WARP_MAX_ITEMS chunks, predicated by the length):
+# a block a row left most of a 128-thread block idle on them (50-54 % of the byte floor,
+# notes/dit-kernel-floors.md). 0: a block a row always.
+WARP_ROWS = 8
+WARP_MAX_ITEMS = 4
 # 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones. Measured on the H100
 # (notes/performance.md, session 19): a bf16 ResBlock's GroupNorm row kernels 134.6 -> 98.8 us
 # (38.8 -> 26.2 us for rows of 4,096), the UNet step 22.35 -> 22.14 ms
@@ -197,6 +204,8 @@ class _ReduceWriter(RowLoads, RowPasses):
         self.column_shape = None
         self.out_index: dict[int, int] = {}
         self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
+        self.warp_rows = 0  # rows a block when a warp owns a row (short rows), else 0
+        self.block_rows = False  # a block a row whatever the length
         self.held: tuple = ()  # ``in`` parameters held in shared memory (reduce_shared.py)
         self.size_args = SizeArgs(group)  # constants as arguments (const_text)
         self.online: dict = {}  # id(sum of exp) -> its max taken with it (reduce_online.py)
@@ -277,7 +286,13 @@ class _ReduceWriter(RowLoads, RowPasses):
             self.vector_reads, self.vector_outputs = {}, False
         # the launch's threads follow the row length; the code only follows its size class
         self.threads = block_size(space.num_inner, self.lanes)
-        items = -(-space.num_inner // (self.threads * self.lanes))
+        # short rows: a warp a row, WARP_ROWS rows a block (a named size class; the forced
+        # classes of the background sibling compiler stay one block a row)
+        short = space.num_inner <= 32 * self.lanes * WARP_MAX_ITEMS
+        warp = short and self.forced is None and not self.columns and not self.block_rows
+        self.warp_rows = WARP_ROWS if warp else 0
+        row_threads = 32 if self.warp_rows else self.threads
+        items = -(-space.num_inner // (row_threads * self.lanes))
         # rows of data are cached; values the same for every row (weights, biases) are
         # re-read from L1 where needed instead of holding registers
         row_reads = [
@@ -291,6 +306,8 @@ class _ReduceWriter(RowLoads, RowPasses):
         # 1024-thread blocks leave 64 registers a thread: rows that long stream from L2
         held = len(row_reads) + len(self.columns)  # strip sums stay in registers too
         cached = cache_class(items) if self.forced is None else self.forced
+        if self.warp_rows:  # one class for every short row: its length changes no code
+            cached = WARP_MAX_ITEMS
         fits = cached * self.lanes * held <= 96 and (self.threads <= 512 or self.forced)
         if walkable and cached and fits and held:  # a class only where something is held
             self.items = cached
@@ -298,6 +315,11 @@ class _ReduceWriter(RowLoads, RowPasses):
         self.loop_items = cache_class(items, limit=None) if self.columns else self.items
         # __launch_bounds__: the most threads any row of the class launches with
         self.block = 512 if self.items or self.columns else 1024
+        if self.warp_rows and not self.items:
+            self.block_rows = True  # a streamed row keeps a block (and the shared row cache)
+            return self._choose_layout()
+        if self.warp_rows:
+            self.block = self.threads = 32 * self.warp_rows
         if self.held:  # two blocks an SM share its shared memory (reduce_shared.py)
             self.block = self.threads = min(self.threads, reduce_shared.SHARED_THREADS)
 
@@ -368,7 +390,7 @@ class _ReduceWriter(RowLoads, RowPasses):
         if self.columns:
             return self.column_shape[0]  # a block per strip
         if self.space.block_mode:
-            return self.space.num_outer
+            return -(-self.space.num_outer // max(self.warp_rows, 1))
         return -(-self.space.num_outer // 32)
 
     def _final_pass(self, out_views) -> dict:
@@ -442,6 +464,7 @@ class _ReduceWriter(RowLoads, RowPasses):
             "final_after": tuple(self.final["after"]),
             "final_scalars": tuple(self.final["scalars"]),
             "loop_items": self.loop_items,
+            "warp_rows": self.warp_rows,
             "min_blocks": COLUMN_MIN_BLOCKS if self.columns else 0,
             "column_declare": tuple(self.column_lines["declare"]),
             "column_store": tuple(self.column_lines["store"]),
@@ -469,6 +492,8 @@ class _ReduceWriter(RowLoads, RowPasses):
             row = "columns"
         elif self.columns:
             row = f"strips of <= {self.loop_items} chunks a thread"
+        elif self.items and self.warp_rows:
+            row = f"warp rows, <= {self.items} chunks a lane"
         elif self.items:
             row = f"row cached, <= {self.items} chunks a thread"
         elif self.held:
