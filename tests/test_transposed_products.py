@@ -177,3 +177,25 @@ def test_gradients_match_the_graph_before_and_torch(rng, autocast):
     loss.backward()
     for value, tensor in zip(found[1:], (tx, tw, tb)):
         np.testing.assert_allclose(value, tensor.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_clipping_keeps_the_weight_gradient_in_the_parameters_order(rng):
+    """Clipping's total of squares over every axis reads a permuted value in its stored
+    order (split.UNPERMUTE_TOTALS); for a transposed product that would give the product a
+    second reader in its old order, and the optimizer would read the gradient through a tile
+    transpose. The total leaves such a permute alone: no kernel reads the product through a
+    permute, none transposes."""
+    with fl.backend("cuda"):
+        (_, _, dw, db), (_, w, b) = _linear_step(rng, autocast=True)
+        total = ((dw.float() ** 2).sum() + (db.float() ** 2).sum()).sqrt()
+        coef = (1.0 / (total + 1e-6)).clamp(max=1.0)
+        updated = [w - 0.1 * dw * coef, b - 0.1 * db * coef]
+        graph = run_pipeline(Graph(tuple(tensor.node for tensor in updated)))
+    for group in graph.groups:
+        for node in group.nodes:
+            assert not (node.op == "permute" and node.inputs[0].op == "matmul"), group
+    from flame.codegen.lower import lower_group
+    from flame.runtime.executor import _layout_of
+
+    kernels = [lower_group(g, _layout_of) for g in graph.groups if g.kind == "elementwise"]
+    assert kernels and all(k.spec.template == "elementwise.cu.j2" for k in kernels)

@@ -82,6 +82,22 @@ def _split(node: Node, rows=None, normalizing=frozenset()) -> Node | None:
 UNPERMUTE_TOTALS = True
 
 
+def _product_turned(permute: Node) -> bool:
+    """A transposed matrix product that simplify's ``TRANSPOSED_PRODUCTS`` computes in the
+    permuted order (a Linear's weight gradient): taking the permute off for the total would
+    give the product a second reader in its old order and keep the gradient transposed for
+    the optimizer (the DiT's AdamW read its bf16 weight gradients through tile transposes)."""
+    from flame.ir.passes import simplify
+
+    base = permute.inputs[0]
+    rank = len(permute.shape)
+    swapped = (*range(rank - 2), rank - 1, rank - 2) if rank >= 2 else None
+    return (
+        simplify.TRANSPOSED_PRODUCTS and base.op == "matmul" and base.buffer is None
+        and permute.attr("dims") == swapped
+    )  # fmt: skip
+
+
 def _unpermuted(source: Node) -> Node | None:
     """``source`` with the permutes under its elementwise ops taken off, when every full-size
     leaf is a permute by the same dims or a broadcast scalar (scalars of shape () too);
@@ -97,6 +113,8 @@ def _unpermuted(source: Node) -> Node | None:
         if value.shape != source.shape:
             return None
         if value.op == "permute":
+            if _product_turned(value):
+                return None  # simplify computes the product in this order: read in place
             dims.add(value.attr("dims"))
             stored = value.inputs[0].shape
         elif value.op == "expand" and value.inputs[0].numel == 1:
