@@ -21,45 +21,40 @@ def cyclic_components(needs) -> list[set[int]]:
     on_stack: set[int] = set()
     stack: list[int] = []
     found: list[set[int]] = []
-    counter = 0
     for start in kernels:
         if start in index_of:
             continue
         work = [(start, iter(needs[start]))]
-        index_of[start] = low[start] = counter
-        counter += 1
+        index_of[start] = low[start] = len(index_of)
         stack.append(start)
         on_stack.add(start)
         while work:
             node, edges = work[-1]
-            advanced = False
             for target in edges:
                 if target not in index_of:
-                    index_of[target] = low[target] = counter
-                    counter += 1
+                    index_of[target] = low[target] = len(index_of)
                     stack.append(target)
                     on_stack.add(target)
                     work.append((target, iter(needs[target])))
-                    advanced = True
                     break
-                if target in on_stack:
-                    low[node] = min(low[node], index_of[target])
-            if advanced:
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index_of[node]:
-                component = set()
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.add(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(component)
+                if target in on_stack and index_of[target] < low[node]:
+                    low[node] = index_of[target]
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    if low[node] < low[parent]:
+                        low[parent] = low[node]
+                if low[node] == index_of[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(component)
     return found
 
 

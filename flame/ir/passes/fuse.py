@@ -258,7 +258,7 @@ def _form_groups(graph: Graph, materialized, reasons, homes, views):
         roots = sorted(roots, key=lambda node: position[id(node)])
         why = tuple(reasons[id(root)] for root in roots)
         groups.append(Group(kind, tuple(members), tuple(roots), why))
-    return groups + library, grouping.extra
+    return groups + library, grouping
 
 
 def _bucket(grouping: _Grouping, node: Node) -> tuple:
@@ -406,13 +406,16 @@ def fuse(graph: Graph, saved=()) -> Graph:
             if anchor is not None:
                 homes[id(node)] = anchor
     for _ in range(len(graph.nodes) + 1):
-        groups, extra = _form_groups(graph, materialized, reasons, homes, views)
-        if not extra:
+        groups, grouping = _form_groups(graph, materialized, reasons, homes, views)
+        if not grouping.extra:
             break
-        for key, (node, reason) in extra.items():
+        for key, (node, reason) in grouping.extra.items():
             materialized[key] = node
             reasons[key] = reason
-    grouping = _Grouping(graph, materialized)  # fixed from here on: its answers are kept
+    if grouping.extra:  # the last round added values: its answers are out of date
+        grouping = _Grouping(graph, materialized)
+    # ``materialized`` is fixed from here on: the grouping's answers are kept (those of the
+    # round that added nothing, made over the same values)
     position = {id(node): index for index, node in enumerate(graph.nodes)}
     reads: dict[int, frozenset[int]] = {}
     alive = list(groups)  # the groups the cache is keyed by, kept alive with it
