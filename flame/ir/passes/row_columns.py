@@ -144,16 +144,20 @@ def _absorb_totals(
         summed = sums_of(first)
         if not summed:
             continue
-        readers: dict[int, set[int]] = {}  # partial sums -> groups reading them
-        for index, group in enumerate(groups):
-            if group is first:
-                continue
-            for child in _inputs(group, known) & summed:
-                readers.setdefault(child, set()).add(index)
-        for index, total in enumerate(groups):
+        # partial sums -> the groups (of this list, other than ``first``) reading them:
+        # found when a kernel summing them turns up (most partial-sum kernels have none)
+        readers: dict[int, set[int]] | None = None
+        listed, reader = groups, first
+        for index, total in enumerate(listed):
             taken = _totals_of(total, summed, known)
             if taken is None:
                 continue
+            if readers is None:
+                readers = {}
+                for place, group in enumerate(listed):
+                    if group is not reader:
+                        for child in _inputs(group, known) & summed:
+                            readers.setdefault(child, set()).add(place)
             if any(id(s) in graph_outputs or readers.get(id(s)) != {index} for s in taken):
                 continue  # a partial row someone else reads: it stays written
             taken_ids = {id(s) for s in taken}
