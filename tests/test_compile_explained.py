@@ -54,12 +54,13 @@ def test_sizes_of_one_class_run_one_kernel(cuda_backend):
 
 def test_mean_scale_is_a_kernel_argument(cuda_backend):
     """1/n of a mean is an argument: the source holds no literal that follows the size."""
-    (first, *_), (second, *_) = group_norm_specs(2, 32, 8, 8), group_norm_specs(2, 32, 16, 16)
+    # rows of 256 and 512 values: both in the warp-rows class (reduce.WARP_MAX_ITEMS)
+    (first, *_), (second, *_) = group_norm_specs(2, 32, 8, 8), group_norm_specs(2, 32, 8, 16)
     assert code(first) == code(second)
     values = [arg for arg in first.params if arg.kind == "value"]
     assert [arg.value for arg in values] == [pytest.approx(1 / (4 * 64))]
     assert [arg.value for arg in second.params if arg.kind == "value"] == [
-        pytest.approx(1 / (4 * 256))
+        pytest.approx(1 / (4 * 128))
     ]
     assert "0.00390625" not in code(first) and "sized0" in code(first)
 
@@ -142,11 +143,19 @@ def test_sibling_classes_are_the_kernels_other_sizes_need(cuda_backend):
         (group,) = [g for g in graph.groups if g.kind == "reduce"]
         return group, lower_group(group, _layout_of)
 
-    group, small = lowered(8)
+    group, small = lowered(16)
     siblings = {spec_key(spec) for spec in sibling_specs(group, _layout_of, small)}
     # the register classes of 4, 8, 16 chunks, streamed, and the row held in shared memory
     assert spec_key(small.spec) not in siblings and len(siblings) == 5
     for height in (32, 40, 48, 90):  # rows of 8192 .. 64800: 4, 8, 16 chunks, streamed
+        spec = lowered(height)[1].spec
+        assert spec_key(spec) in siblings, spec.size_class
+    # a short row (a warp a row): every block class is a sibling, 2 chunks included
+    group, short = lowered(8)
+    assert "warp rows" in short.spec.size_class
+    siblings = {spec_key(spec) for spec in sibling_specs(group, _layout_of, short)}
+    assert len(siblings) == 6
+    for height in (16, 32, 40, 48, 90):
         spec = lowered(height)[1].spec
         assert spec_key(spec) in siblings, spec.size_class
 
@@ -158,7 +167,7 @@ def test_sibling_compiler_fills_the_kernel_cache(cuda_backend, nvrtc, tmp_path):
     from flame.runtime.executor import _layout_of
     from flame.runtime.siblings import SiblingCompiler
 
-    x = fl.tensor(np.ones((2, 64, 8, 8), np.float32))
+    x = fl.tensor(np.ones((2, 64, 16, 16), np.float32))  # rows of 2,048: a block a row
     graph = run_pipeline(Graph((norm_silu(x, None, None).node,)))
     (group,) = [g for g in graph.groups if g.kind == "reduce"]
     lowered = lower_group(group, _layout_of)

@@ -136,8 +136,10 @@ def sibling_specs(group: Group, layout_of, lowered: Lowered) -> list[KernelSpec]
         return []
     specs = []
     for items in ROW_CLASSES:
-        if items == _row_class(lowered.spec) or (items == SHARED and not reduce_shared.ENABLED):
+        if items == SHARED and not reduce_shared.ENABLED:
             continue
+        if items == _row_class(lowered.spec) and not extras.get("warp_rows"):
+            continue  # (a warp-rows kernel's block classes are all other code)
         sibling = lower_reduce(group, layout_of, items)
         if _row_class(sibling.spec) == items:  # it fits (its registers, or a held read)
             specs.append(sibling.spec)
