@@ -63,6 +63,10 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
     fits: dict[int, list[Group]] = {}  # per column: the rows ``_merge`` joins it to
     reads: dict[int, frozenset[int]] = {}
     known: dict[tuple, object] = {}  # _merge's answers about one group, by its id
+    # no value written by two groups (merges keep it so): a merge's cycle check may then
+    # walk from the merged group only (``_acyclic``)
+    writes = [id(out) for group in groups for out in group.outputs]
+    walk = len(set(writes)) == len(writes)
     merged_any = True
     while merged_any:
         merged_any = False
@@ -87,7 +91,7 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
             for row in found:
                 merged = merges[(id(row), id(column))]
                 candidate = [merged if g is row else g for g in groups if g is not column]
-                if not _acyclic(candidate, materialized, reads):
+                if not _acyclic(candidate, materialized, reads, merged if walk else None):
                     continue
                 index = candidate.index(merged)
                 candidate[index] = _prune(merged, candidate, graph_outputs, row_key, known)
@@ -99,11 +103,11 @@ def attach_columns(graph, groups: list[Group], materialized) -> list[Group]:
     if not are_deterministic_algorithms_enabled():
         groups = _absorb_totals(
             graph, groups, materialized, position, lambda group: _strip_sums(group, row_key),
-            known, reads, alive,
+            known, reads, alive, walk,
         )  # fmt: skip
         if PARTIAL_TOTALS:  # column kernels of split.py's first stage: the same rule
             groups = _absorb_totals(
-                graph, groups, materialized, position, _partials, known, reads, alive
+                graph, groups, materialized, position, _partials, known, reads, alive, walk
             )
     return groups
 
@@ -131,12 +135,13 @@ def _partials(group: Group) -> set[int]:
 
 def _absorb_totals(
     graph, groups: list[Group], materialized, position, sums_of, known=None, reads=None,
-    alive=None,
+    alive=None, walk=False,
 ) -> list[Group]:  # fmt: skip
     """Kernels that make partial sums (``sums_of(group)``: their ids) take over the kernels
     that only add them up (float32 sums over axis 0, and views of them): see module doc.
     ``known``, ``reads``: answers about groups kept by the caller for this call (by ``id``;
-    ``alive``, a list the caller keeps, holds every group they are kept for)."""
+    ``alive``, a list the caller keeps, holds every group they are kept for); ``walk``:
+    ``groups`` is acyclic and no value has two writers (see ``_acyclic``)."""
     known = {} if known is None else known
     alive = [] if alive is None else alive
     graph_outputs = {id(node) for node in graph.outputs}
@@ -169,7 +174,7 @@ def _absorb_totals(
             merged = Group("reduce", tuple(ordered), outputs, reasons)
             alive.append(merged)
             candidate = [merged if g is first else g for g in groups if g is not total]
-            if _acyclic(candidate, materialized, reads):
+            if _acyclic(candidate, materialized, reads, merged if walk else None):
                 groups, first = candidate, merged
     return groups
 
@@ -405,20 +410,44 @@ def _prune(group: Group, groups, graph_outputs, key_of, known=None) -> Group:
     return Group(group.kind, group.nodes, tuple(kept), tuple(reasons))
 
 
-def _acyclic(groups: list[Group], materialized, reads: dict | None = None) -> bool:
+def _acyclic(
+    groups: list[Group], materialized, reads: dict | None = None, merged: Group | None = None
+) -> bool:
     """Whether no group waits for itself through others (Kahn's algorithm sorts them all).
     ``reads``: each group's materialized reads by ``id`` of the group (the caller keeps
-    the groups alive while it keeps the cache)."""
+    the groups alive while it keeps the cache). ``merged``: ``groups`` is an acyclic list
+    with two of its groups replaced by ``merged`` (which writes what they wrote, or less),
+    and no value had two writers there: a cycle then goes through ``merged``, so a walk
+    from it answers (the whole sort does when ``merged`` is not in the list)."""
+    if reads is None:
+        reads = {}
+
+    def read(group: Group) -> frozenset[int]:
+        found = reads.get(id(group))
+        if found is None:
+            found = reads[id(group)] = materialized_reads(group, materialized)
+        return found
+
     producer = {id(out): index for index, group in enumerate(groups) for out in group.outputs}
+    start = next((index for index, group in enumerate(groups) if group is merged), None)
+    if start is not None and len(producer) == sum(len(group.outputs) for group in groups):
+        seen, stack = {start}, [start]
+        while stack:
+            index = stack.pop()
+            for key in read(groups[index]):
+                source = producer.get(key)
+                if source is None or source == index:
+                    continue
+                if source == start:
+                    return False
+                if source not in seen:
+                    seen.add(source)
+                    stack.append(source)
+        return True
     waiting = [0] * len(groups)
     readers: list[list[int]] = [[] for _ in groups]
     for index, group in enumerate(groups):
-        found = reads.get(id(group)) if reads is not None else None
-        if found is None:
-            found = materialized_reads(group, materialized)
-            if reads is not None:
-                reads[id(group)] = found
-        sources = {producer.get(key) for key in found}
+        sources = {producer.get(key) for key in read(group)}
         sources.discard(None)
         sources.discard(index)
         waiting[index] = len(sources)
