@@ -11,7 +11,9 @@ block, args, writes, shapes, zeroing, shared memory) and library calls (op, attr
 views), then slots, releases, peak and the remat decision. Object addresses are left out of
 reprs. Used to check that a faster pass plans the same (notes/plan-speed.md): compare a copy
 of the tree with the pass's old version against one with the new, at the same moment (other
-engineers' changes move the hashes). ``FP_ROOT``: the tree to import flame and bench from.
+engineers' changes move the hashes). ``FP_ROOT``: the tree to import flame and bench from
+(``git archive HEAD`` into a folder keeps others' uncommitted work out). ``big=[]`` means the
+big plan failed (the traceback is printed above): two such runs "agree" on nothing.
 """
 
 import hashlib
