@@ -21,6 +21,7 @@ addressing and loads live in ``reduce_loads.py``.
 from __future__ import annotations
 
 import hashlib
+import re
 
 from flame.codegen import reduce_shared
 from flame.codegen.common import (
@@ -66,6 +67,12 @@ COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512
 # notes/dit-kernel-floors.md). 0: a block a row always.
 WARP_ROWS = 8
 WARP_MAX_ITEMS = 4
+# Column kernels (a thread owns an outer index, the innermost axis kept: a bias gradient's
+# sums over rows) load 16 bytes a thread, across COLUMN_VECTOR_BYTES / itemsize neighbouring
+# columns, where every operand and output is contiguous across columns and the kernel is one
+# pass of reductions writing per-column values (a named size class, "column vectors"); else
+# one column a thread. 0: one column a thread always.
+COLUMN_VECTOR_BYTES = 16
 # 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones. Measured on the H100
 # (notes/performance.md, session 19): a bf16 ResBlock's GroupNorm row kernels 134.6 -> 98.8 us
 # (38.8 -> 26.2 us for rows of 4,096), the UNet step 22.35 -> 22.14 ms
@@ -207,6 +214,7 @@ class _ReduceWriter(RowLoads, RowPasses):
         self.out_index: dict[int, int] = {}
         self.forced: int | None = None  # a row-cache class asked for (lower_reduce)
         self.warp_rows = 0  # rows a block when a warp owns a row (short rows), else 0
+        self.column_lanes = 1  # neighbouring columns a column kernel's thread loads at once
         self.block_rows = False  # a block a row whatever the length
         self.held: tuple = ()  # ``in`` parameters held in shared memory (reduce_shared.py)
         self.size_args = SizeArgs(group)  # constants as arguments (const_text)
@@ -254,6 +262,7 @@ class _ReduceWriter(RowLoads, RowPasses):
         for number in range(1, depth + 1):
             self.passes.append(self._pass(number))
         self.final = self._final_pass(out_views)
+        self.column_lanes = self._column_lanes(depth)
         self.params.extend(self.size_args.values())
         shared = 0
         if self.held:
@@ -393,7 +402,43 @@ class _ReduceWriter(RowLoads, RowPasses):
             return self.column_shape[0]  # a block per strip
         if self.space.block_mode:
             return -(-self.space.num_outer // max(self.warp_rows, 1))
-        return -(-self.space.num_outer // 32)
+        return -(-self.space.num_outer // (32 * self.column_lanes))
+
+    def _column_lanes(self, depth: int) -> int:
+        """Neighbouring columns a thread of a column kernel loads at once (see
+        ``COLUMN_VECTOR_BYTES``); 1 where an operand or output is not contiguous across
+        columns at vector alignment, or the kernel is more than one pass of sums."""
+        space = self.space
+        if space.block_mode or not COLUMN_VECTOR_BYTES or depth != 1 or self.final["lane"]:
+            return 1
+        per_column = [read for read in self.reads if id(read.top) in self.scalar_values]
+        if len(space.inner_sizes) != 1 or per_column or not self.reads:
+            return 1
+        widest = max(read.base.dtype.itemsize for read in self.reads)
+        lanes = COLUMN_VECTOR_BYTES // widest
+        while lanes > 1 and not self._columns_fit(lanes):
+            lanes //= 2
+        return max(lanes, 1)
+
+    def _columns_fit(self, lanes: int) -> bool:
+        space = self.space
+        if not space.outer_sizes or space.outer_sizes[-1] % lanes or space.num_outer % lanes:
+            return False
+        for position, read in enumerate(self.reads):
+            outer, inner = space.outer_strides[position], space.inner_strides[position]
+            if read.generated or not read.aligned or outer[-1] != 1:
+                return False
+            if read.view.offset % lanes or any(s % lanes for s in (*outer[:-1], *inner)):
+                return False
+        for position in range(len(self.group.outputs)):
+            if position in self.atomic:
+                if prod(self.atomic[position].shape) % lanes:
+                    return False
+                continue
+            outer = space.outer_strides[self.out_index[position]]
+            if outer[-1] != 1 or any(s % lanes for s in outer[:-1]):
+                return False
+        return True
 
     def _final_pass(self, out_views) -> dict:
         rows = [o for o in self.group.outputs if o.shape == self.shape]
@@ -467,10 +512,14 @@ class _ReduceWriter(RowLoads, RowPasses):
             "final_scalars": tuple(self.final["scalars"]),
             "loop_items": self.loop_items,
             "warp_rows": self.warp_rows,
+            "column_lanes": self.column_lanes,
             "min_blocks": COLUMN_MIN_BLOCKS if self.columns else 0,
             "column_declare": tuple(self.column_lines["declare"]),
             "column_store": tuple(self.column_lines["store"]),
         }
+        if self.column_lanes > 1:
+            extras["column_vectors"] = _column_vector_lines(self.passes[0], self.final,
+                                                            self.column_lanes)  # fmt: skip
         if self.held:  # the shared-memory row cache (reduce_shared.py)
             storages = {r.param: r.base.dtype.c_storage for r in self.reads}
             extras["shared"] = tuple(reduce_shared.pointers(self.held, storages, self.itemsizes))
@@ -490,10 +539,12 @@ class _ReduceWriter(RowLoads, RowPasses):
 
     def _size_class(self) -> str:
         """The sizes this code serves, named: vector lanes, how a row is held, index width."""
-        if not self.space.block_mode:
+        if not self.space.block_mode and self.column_lanes == 1:
             row = "columns"
         elif self.columns:
             row = f"strips of <= {self.loop_items} chunks a thread"
+        elif not self.space.block_mode and self.column_lanes > 1:
+            row = f"column vectors of {self.column_lanes}"
         elif self.items and self.warp_rows:
             row = f"warp rows, <= {self.items} chunks a lane"
         elif self.items:
@@ -510,3 +561,61 @@ class _ReduceWriter(RowLoads, RowPasses):
 def _split_combine(name: str, combine: str) -> str:
     """The statement folding split ``part``'s partial result into ``name``."""
     return f"{name} = " + combine.format(name, f"shared_{name}[part][column]")
+
+
+_DECLARED = re.compile(r"^(?P<ctype>[\w ]+?) (?P<name>acc\d+) = (?P<value>.+);$")
+_RAW_DECLARED = re.compile(r"^(?P<storage>[\w ]+?) raw_(?P<param>\w+)\[(?P<lanes>\d+)\];$")
+_RAW_LOADED = re.compile(
+    r"^for \(int j = 0; j < (?P<lanes>\d+); \+\+j\) raw_(?P<param>\w+)\[j\] = "
+    r"(?P<bound>.+?) \? (?P<pointer>\w+)\[(?P<at>.+)\] : \((?P<storage>[\w ]+)\)0;$"
+)
+_ACCUMULATOR = re.compile(r"\b(acc\d+)\b")
+
+
+def _column_vector_lines(one_pass: dict, final: dict, lanes: int) -> dict:
+    """A column kernel's one pass rewritten for ``lanes`` neighbouring columns a thread: each
+    chunk loads one vector across the columns (the operands are contiguous there, checked by
+    ``_columns_fit``), each accumulator is an array over them, and the per-column statements
+    run once a column (``v``); the outer lines stay those of the first column (column v's
+    offsets are its + v)."""
+    init = []
+    for line in one_pass["init"]:
+        found = _DECLARED.match(line)
+        if found is None:
+            raise ValueError(f"column vectors: unexpected accumulator line {line!r}")
+        name = found["name"]
+        init += [f"{found['ctype']} {name}[{lanes}];", "#pragma unroll",
+                 f"for (int v = 0; v < {lanes}; ++v) {name}[v] = {found['value']};"]  # fmt: skip
+    chunk = []
+    for line in one_pass["chunk"]:
+        declared, loaded = _RAW_DECLARED.match(line), _RAW_LOADED.match(line)
+        if declared is not None:
+            vector = f"FlameVec<{declared['storage']}, {lanes}>"
+            chunk.append(f"{vector} raw_{declared['param']}[{declared['lanes']}];")
+        elif loaded is not None:
+            vector = f"FlameVec<{loaded['storage']}, {lanes}>"
+            chunk.append(
+                f"for (int j = 0; j < {loaded['lanes']}; ++j) if ({loaded['bound']}) "
+                f"raw_{loaded['param']}[j] = "
+                f"*reinterpret_cast<const {vector}*>({loaded['pointer']} + {loaded['at']});"
+            )
+        elif line == "#pragma unroll":
+            chunk.append(line)
+        else:
+            raise ValueError(f"column vectors: unexpected load line {line!r}")
+
+    def per_column(line: str) -> str:
+        line = re.sub(r"\braw_(\w+)\[k\]", r"raw_\1[k].v[v]", line)
+        line = _ACCUMULATOR.sub(r"\1[v]", line)
+        line = re.sub(r"\b(out\d+)\[(out\d+_outer)\]", r"\1[\2 + v]", line)
+        return re.sub(r"\bouter %", "(outer + v) %", line)
+
+    lane = ["#pragma unroll", f"for (int v = 0; v < {lanes}; ++v) {{"]
+    lane += [per_column(line) for line in one_pass["lane"]] + ["}"]
+    written = [per_column(line) for line in (*one_pass["finish"], *final["scalars"])]
+    combine = [
+        f"{name}[v] = " + text.format(f"{name}[v]", f"shared_{name}[part][column * {lanes} + v]")
+        for (name, *_), text in zip(one_pass["accumulators"], one_pass["combines"])
+    ]  # fmt: skip
+    return {"init": tuple(init), "chunk": tuple(chunk), "lane": tuple(lane),
+            "written": tuple(written), "combine": tuple(combine)}  # fmt: skip
