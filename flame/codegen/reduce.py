@@ -68,11 +68,14 @@ COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512
 WARP_ROWS = 8
 WARP_MAX_ITEMS = 4
 # Column kernels (a thread owns an outer index, the innermost axis kept: a bias gradient's
-# sums over rows) load 16 bytes a thread, across COLUMN_VECTOR_BYTES / itemsize neighbouring
-# columns, where every operand and output is contiguous across columns and the kernel is one
-# pass of reductions writing per-column values (a named size class, "column vectors"); else
-# one column a thread. 0: one column a thread always.
-COLUMN_VECTOR_BYTES = 16
+# sums over rows) may load COLUMN_VECTOR_BYTES a thread, across COLUMN_VECTOR_BYTES / itemsize
+# neighbouring columns, where every operand and output is contiguous across columns and the
+# kernel is one pass of reductions writing per-column values (a named size class, "column
+# vectors"); 0: one column a thread. Off: measured on the H100 at 16 bytes (session 21), the
+# DiT-S/2 step went 14.65 -> 16.29 ms and the UNet's 18.60 -> 18.39 ms; the DiT's bias
+# gradients are sums over 16,384 rows cut into parts, and a vector of 8 columns a thread
+# leaves 8x fewer threads per part (not yet profiled). Kept, with its tests, switched off.
+COLUMN_VECTOR_BYTES = 0
 # 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones. Measured on the H100
 # (notes/performance.md, session 19): a bf16 ResBlock's GroupNorm row kernels 134.6 -> 98.8 us
 # (38.8 -> 26.2 us for rows of 4,096), the UNet step 22.35 -> 22.14 ms
