@@ -1,6 +1,7 @@
 """Column kernels (the innermost axis kept: a bias gradient's sums over rows) can load a
 16-byte vector across neighbouring columns a thread where every operand is contiguous across
-columns (flame/codegen/reduce.py, ``column vectors``; off by default, ``COLUMN_VECTOR_BYTES``):
+columns (flame/codegen/reduce_columns.py, ``column vectors``; off by default,
+``COLUMN_VECTOR_BYTES``):
 the choice and its fallbacks, NVRTC compiles in the CPU tier; values on both backends, with
 the vectors on and off."""
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import flame as fl
-from flame.codegen import reduce
+from flame.codegen import reduce_columns
 from flame.codegen.lower import lower_group
 from flame.codegen.render import render
 from flame.ir.graph import Graph
@@ -27,7 +28,7 @@ def _column_kernels(*outputs):
 
 @pytest.fixture
 def vectors(monkeypatch):
-    monkeypatch.setattr(reduce, "COLUMN_VECTOR_BYTES", 16)
+    monkeypatch.setattr(reduce_columns, "COLUMN_VECTOR_BYTES", 16)
 
 
 def _values(rng, shape, dtype):
@@ -50,8 +51,8 @@ def test_the_vector_follows_the_columns(cuda_backend, nvrtc, vectors, rng, dtype
 
 def test_odd_columns_and_the_default_take_one_column_a_thread(cuda_backend, rng, monkeypatch):
     (off,) = _column_kernels(_values(rng, (4096, 1536), fl.bfloat16).float().sum(0))
-    assert reduce.COLUMN_VECTOR_BYTES == 0 and off.spec.extras["column_lanes"] == 1
-    monkeypatch.setattr(reduce, "COLUMN_VECTOR_BYTES", 16)
+    assert reduce_columns.COLUMN_VECTOR_BYTES == 0 and off.spec.extras["column_lanes"] == 1
+    monkeypatch.setattr(reduce_columns, "COLUMN_VECTOR_BYTES", 16)
     (odd,) = _column_kernels(_values(rng, (512, 33), fl.bfloat16).float().sum(0))
     assert odd.spec.extras["column_lanes"] == 1 and odd.spec.size_class.startswith("columns")
 
@@ -70,7 +71,7 @@ def test_a_max_over_rows_compiles(cuda_backend, nvrtc, vectors, rng):
 )  # fmt: skip
 @pytest.mark.parametrize("vector_bytes", [16, 0])
 def test_sum_values(backend, rng, monkeypatch, shape, axes, dtype, vector_bytes):
-    monkeypatch.setattr(reduce, "COLUMN_VECTOR_BYTES", vector_bytes)
+    monkeypatch.setattr(reduce_columns, "COLUMN_VECTOR_BYTES", vector_bytes)
     x = _values(rng, shape, dtype)
     expected = x.float().numpy().astype(np.float64).sum(axes)
     got = x.float().sum(axes).numpy()

@@ -21,7 +21,6 @@ addressing and loads live in ``reduce_loads.py``.
 from __future__ import annotations
 
 import hashlib
-import re
 
 from flame.codegen import reduce_shared
 from flame.codegen.common import (
@@ -35,6 +34,7 @@ from flame.codegen.common import (
     store,
 )  # fmt: skip
 from flame.codegen.elementwise import Lowered, index_type_for
+from flame.codegen.reduce_columns import ColumnVectors, column_vector_lines
 from flame.codegen.reduce_loads import RowLoads
 from flame.codegen.reduce_online import online_pairs
 from flame.codegen.reduce_passes import RowPasses
@@ -46,6 +46,9 @@ from flame.codegen.reduce_space import (
     Space,
     block_size,
     cache_class,
+    output_strides,
+    same_reads,
+    space_view,
 )  # fmt: skip
 from flame.codegen.reduce_strips import (
     atomic_outputs,
@@ -57,7 +60,6 @@ from flame.codegen.spec import Arg, KernelSpec
 from flame.ir.graph import Group
 from flame.ir.ops import get_op
 from flame.ir.shapes import contiguous_strides, prod
-from flame.ir.views import expand_view, reshape_view
 
 COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512 threads)
 # Rows of up to 32 lanes x WARP_MAX_ITEMS chunks (1,024 bf16 or 512 float32 values: a DiT's
@@ -67,15 +69,6 @@ COLUMN_MIN_BLOCKS = 2  # strip kernels: two blocks an SM (<= 64 registers at 512
 # notes/dit-kernel-floors.md). 0: a block a row always.
 WARP_ROWS = 8
 WARP_MAX_ITEMS = 4
-# Column kernels (a thread owns an outer index, the innermost axis kept: a bias gradient's
-# sums over rows) may load COLUMN_VECTOR_BYTES a thread, across COLUMN_VECTOR_BYTES / itemsize
-# neighbouring columns, where every operand and output is contiguous across columns and the
-# kernel is one pass of reductions writing per-column values (a named size class, "column
-# vectors"); 0: one column a thread. Off: measured on the H100 at 16 bytes (session 21), the
-# DiT-S/2 step went 14.65 -> 16.29 ms and the UNet's 18.60 -> 18.39 ms; the DiT's bias
-# gradients are sums over 16,384 rows cut into parts, and a vector of 8 columns a thread
-# leaves 8x fewer threads per part (not yet profiled). Kept, with its tests, switched off.
-COLUMN_VECTOR_BYTES = 0
 # 2-byte rows in 16-byte vectors (8 lanes) instead of 8-byte ones. Measured on the H100
 # (notes/performance.md, session 19): a bf16 ResBlock's GroupNorm row kernels 134.6 -> 98.8 us
 # (38.8 -> 26.2 us for rows of 4,096), the UNet step 22.35 -> 22.14 ms
@@ -108,13 +101,13 @@ def _lower(group: Group, layout_of, cache_items, held) -> tuple:
     shape, axes = rows[0].inputs[0].shape, rows[0].attr("axes")
     kept = tuple(1 if axis in axes else size for axis, size in enumerate(shape))
     reads, aliases = collect_reads(group, layout_of)
-    views = [_space_view(read.view, shape, kept) for read in reads]
-    reads, views, same = _same_reads(reads, views)
+    views = [space_view(read.view, shape, kept) for read in reads]
+    reads, views, same = same_reads(reads, views)
     column_ids = {id(node) for node in columns + totals}
     atomic = atomic_outputs(group, totals, aliases)
     skipped = column_ids | {id(group.outputs[position]) for position in atomic}
     outputs = [node for node in group.outputs if id(node) not in skipped]
-    out_views = [_output_strides(node, shape, kept) for node in outputs]
+    out_views = [output_strides(node, shape, kept) for node in outputs]
     stride_sets = [view.strides for view in views] + out_views
     space = Space(shape, axes, stride_sets)
     writer = _ReduceWriter(group, space, reads, aliases, shape, kept)
@@ -160,44 +153,7 @@ def _row_class(spec) -> int:
     return SHARED if "shared_fill" in spec.extras else spec.extras["cache_items"]
 
 
-def _same_reads(reads, views):
-    """Reads of one buffer through one view over the space (``dy`` read by the rows and as
-    ``(P, S, C)`` by the strip sums) load once: the later ones become names of the first."""
-    kept, kept_views, same, first = [], [], {}, {}
-    for read, view in zip(reads, views):
-        key = (id(read.base), view, read.generated)
-        if key in first:
-            same[id(read.top)] = first[key]
-            continue
-        first[key] = read
-        kept.append(read)
-        kept_views.append(view)
-    return kept, kept_views, same
-
-
-def _space_view(view, shape, kept):
-    """A read's view over the input space. A per-row value without its reduced axes
-    (``keepdim=False``) is first given them back, then broadcast over the rows; a value of
-    the strip space ``(P, S, *row)`` is reshaped back onto the rows."""
-    if view.shape != shape and prod(view.shape) == prod(kept) and len(view.shape) != len(shape):
-        view = reshape_view(view, kept)
-    elif view.shape != shape and prod(view.shape) == prod(shape) and len(view.shape) > 1:
-        flat = reshape_view(view, shape)
-        if flat is None:
-            raise ValueError(f"strip read {view} is not a view of the rows {shape}")
-        return flat
-    return expand_view(view, shape)
-
-
-def _output_strides(node, shape, kept):
-    """Outputs are contiguous: of the input shape, or of the reduced shape (broadcast)."""
-    if node.shape == shape:
-        return contiguous_strides(shape)
-    strides = contiguous_strides(kept)
-    return tuple(0 if size == 1 else stride for size, stride in zip(kept, strides))
-
-
-class _ReduceWriter(RowLoads, RowPasses):
+class _ReduceWriter(RowLoads, RowPasses, ColumnVectors):
     def __init__(self, group, space, reads, aliases, shape, kept):
         self.group, self.space, self.reads, self.aliases = group, space, reads, aliases
         self.shape, self.kept = shape, kept
@@ -407,42 +363,6 @@ class _ReduceWriter(RowLoads, RowPasses):
             return -(-self.space.num_outer // max(self.warp_rows, 1))
         return -(-self.space.num_outer // (32 * self.column_lanes))
 
-    def _column_lanes(self, depth: int) -> int:
-        """Neighbouring columns a thread of a column kernel loads at once (see
-        ``COLUMN_VECTOR_BYTES``); 1 where an operand or output is not contiguous across
-        columns at vector alignment, or the kernel is more than one pass of sums."""
-        space = self.space
-        if space.block_mode or not COLUMN_VECTOR_BYTES or depth != 1 or self.final["lane"]:
-            return 1
-        per_column = [read for read in self.reads if id(read.top) in self.scalar_values]
-        if len(space.inner_sizes) != 1 or per_column or not self.reads:
-            return 1
-        widest = max(read.base.dtype.itemsize for read in self.reads)
-        lanes = COLUMN_VECTOR_BYTES // widest
-        while lanes > 1 and not self._columns_fit(lanes):
-            lanes //= 2
-        return max(lanes, 1)
-
-    def _columns_fit(self, lanes: int) -> bool:
-        space = self.space
-        if not space.outer_sizes or space.outer_sizes[-1] % lanes or space.num_outer % lanes:
-            return False
-        for position, read in enumerate(self.reads):
-            outer, inner = space.outer_strides[position], space.inner_strides[position]
-            if read.generated or not read.aligned or outer[-1] != 1:
-                return False
-            if read.view.offset % lanes or any(s % lanes for s in (*outer[:-1], *inner)):
-                return False
-        for position in range(len(self.group.outputs)):
-            if position in self.atomic:
-                if prod(self.atomic[position].shape) % lanes:
-                    return False
-                continue
-            outer = space.outer_strides[self.out_index[position]]
-            if outer[-1] != 1 or any(s % lanes for s in outer[:-1]):
-                return False
-        return True
-
     def _final_pass(self, out_views) -> dict:
         rows = [o for o in self.group.outputs if o.shape == self.shape]
         chunk, lane, after, scalars = [], [], [], []
@@ -521,8 +441,9 @@ class _ReduceWriter(RowLoads, RowPasses):
             "column_store": tuple(self.column_lines["store"]),
         }
         if self.column_lanes > 1:
-            extras["column_vectors"] = _column_vector_lines(self.passes[0], self.final,
-                                                            self.column_lanes)  # fmt: skip
+            extras["column_vectors"] = column_vector_lines(
+                self.passes[0], self.final, self.column_lanes
+            )
         if self.held:  # the shared-memory row cache (reduce_shared.py)
             storages = {r.param: r.base.dtype.c_storage for r in self.reads}
             extras["shared"] = tuple(reduce_shared.pointers(self.held, storages, self.itemsizes))
@@ -564,61 +485,3 @@ class _ReduceWriter(RowLoads, RowPasses):
 def _split_combine(name: str, combine: str) -> str:
     """The statement folding split ``part``'s partial result into ``name``."""
     return f"{name} = " + combine.format(name, f"shared_{name}[part][column]")
-
-
-_DECLARED = re.compile(r"^(?P<ctype>[\w ]+?) (?P<name>acc\d+) = (?P<value>.+);$")
-_RAW_DECLARED = re.compile(r"^(?P<storage>[\w ]+?) raw_(?P<param>\w+)\[(?P<lanes>\d+)\];$")
-_RAW_LOADED = re.compile(
-    r"^for \(int j = 0; j < (?P<lanes>\d+); \+\+j\) raw_(?P<param>\w+)\[j\] = "
-    r"(?P<bound>.+?) \? (?P<pointer>\w+)\[(?P<at>.+)\] : \((?P<storage>[\w ]+)\)0;$"
-)
-_ACCUMULATOR = re.compile(r"\b(acc\d+)\b")
-
-
-def _column_vector_lines(one_pass: dict, final: dict, lanes: int) -> dict:
-    """A column kernel's one pass rewritten for ``lanes`` neighbouring columns a thread: each
-    chunk loads one vector across the columns (the operands are contiguous there, checked by
-    ``_columns_fit``), each accumulator is an array over them, and the per-column statements
-    run once a column (``v``); the outer lines stay those of the first column (column v's
-    offsets are its + v)."""
-    init = []
-    for line in one_pass["init"]:
-        found = _DECLARED.match(line)
-        if found is None:
-            raise ValueError(f"column vectors: unexpected accumulator line {line!r}")
-        name = found["name"]
-        init += [f"{found['ctype']} {name}[{lanes}];", "#pragma unroll",
-                 f"for (int v = 0; v < {lanes}; ++v) {name}[v] = {found['value']};"]  # fmt: skip
-    chunk = []
-    for line in one_pass["chunk"]:
-        declared, loaded = _RAW_DECLARED.match(line), _RAW_LOADED.match(line)
-        if declared is not None:
-            vector = f"FlameVec<{declared['storage']}, {lanes}>"
-            chunk.append(f"{vector} raw_{declared['param']}[{declared['lanes']}];")
-        elif loaded is not None:
-            vector = f"FlameVec<{loaded['storage']}, {lanes}>"
-            chunk.append(
-                f"for (int j = 0; j < {loaded['lanes']}; ++j) if ({loaded['bound']}) "
-                f"raw_{loaded['param']}[j] = "
-                f"*reinterpret_cast<const {vector}*>({loaded['pointer']} + {loaded['at']});"
-            )
-        elif line == "#pragma unroll":
-            chunk.append(line)
-        else:
-            raise ValueError(f"column vectors: unexpected load line {line!r}")
-
-    def per_column(line: str) -> str:
-        line = re.sub(r"\braw_(\w+)\[k\]", r"raw_\1[k].v[v]", line)
-        line = _ACCUMULATOR.sub(r"\1[v]", line)
-        line = re.sub(r"\b(out\d+)\[(out\d+_outer)\]", r"\1[\2 + v]", line)
-        return re.sub(r"\bouter %", "(outer + v) %", line)
-
-    lane = ["#pragma unroll", f"for (int v = 0; v < {lanes}; ++v) {{"]
-    lane += [per_column(line) for line in one_pass["lane"]] + ["}"]
-    written = [per_column(line) for line in (*one_pass["finish"], *final["scalars"])]
-    combine = [
-        f"{name}[v] = " + text.format(f"{name}[v]", f"shared_{name}[part][column * {lanes} + v]")
-        for (name, *_), text in zip(one_pass["accumulators"], one_pass["combines"])
-    ]  # fmt: skip
-    return {"init": tuple(init), "chunk": tuple(chunk), "lane": tuple(lane),
-            "written": tuple(written), "combine": tuple(combine)}  # fmt: skip

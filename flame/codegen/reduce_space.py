@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from flame.codegen.elementwise import collapse
-from flame.ir.shapes import prod
+from flame.ir.shapes import contiguous_strides, prod
+from flame.ir.views import expand_view, reshape_view
 
 THREAD_SPLITS = 8  # column reductions: 8 warps share each group of 32 columns
 THREAD_BLOCK = 32 * THREAD_SPLITS
@@ -53,3 +54,40 @@ class Space:
         self.outer_strides, self.inner_strides = outer, inner
         self.num_outer, self.num_inner = prod(self.outer_sizes), prod(self.inner_sizes)
         self.block_mode = bool(axes) and axes[-1] == len(shape) - 1
+
+
+def same_reads(reads, views):
+    """Reads of one buffer through one view over the space (``dy`` read by the rows and as
+    ``(P, S, C)`` by the strip sums) load once: the later ones become names of the first."""
+    kept, kept_views, same, first = [], [], {}, {}
+    for read, view in zip(reads, views):
+        key = (id(read.base), view, read.generated)
+        if key in first:
+            same[id(read.top)] = first[key]
+            continue
+        first[key] = read
+        kept.append(read)
+        kept_views.append(view)
+    return kept, kept_views, same
+
+
+def space_view(view, shape, kept):
+    """A read's view over the input space. A per-row value without its reduced axes
+    (``keepdim=False``) is first given them back, then broadcast over the rows; a value of
+    the strip space ``(P, S, *row)`` is reshaped back onto the rows."""
+    if view.shape != shape and prod(view.shape) == prod(kept) and len(view.shape) != len(shape):
+        view = reshape_view(view, kept)
+    elif view.shape != shape and prod(view.shape) == prod(shape) and len(view.shape) > 1:
+        flat = reshape_view(view, shape)
+        if flat is None:
+            raise ValueError(f"strip read {view} is not a view of the rows {shape}")
+        return flat
+    return expand_view(view, shape)
+
+
+def output_strides(node, shape, kept):
+    """Outputs are contiguous: of the input shape, or of the reduced shape (broadcast)."""
+    if node.shape == shape:
+        return contiguous_strides(shape)
+    strides = contiguous_strides(kept)
+    return tuple(0 if size == 1 else stride for size, stride in zip(kept, strides))
