@@ -304,13 +304,13 @@ def test_a_deep_chain_is_split_in_a_few_rounds_not_one_per_layer(cuda_backend, m
     from flame.autograd import cotangents
 
     rounds = []
-    original = fuse_module._split_cycles
+    original = fuse_module.split_cycles
 
     def counted(*args, **kwargs):
         rounds.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fuse_module, "_split_cycles", counted)
+    monkeypatch.setattr(fuse_module, "split_cycles", counted)
     from flame.runtime.storage import Storage
 
     def memory(*shape):  # weights in memory, as a model's are (never computed here)
@@ -337,9 +337,7 @@ def test_simplify_pushes_a_reshape_through_shared_operands_once_each(monkeypatch
 
     calls = []
     pushed = simplify_module._pushed
-    monkeypatch.setattr(
-        simplify_module, "_pushed", lambda *args: calls.append(1) or pushed(*args)
-    )
+    monkeypatch.setattr(simplify_module, "_pushed", lambda *args: calls.append(1) or pushed(*args))
     with fl.backend("cuda"):  # building touches no GPU
         h = fl.tensor(np.ones((4, 6), np.float32))
         for _ in range(24):

@@ -1,4 +1,6 @@
-"""Breaking a dependency cycle between kernels in two (used by the fusion pass).
+"""Breaking dependency cycles between kernels (used by the fusion pass): ``split_cycles``
+splits kernels until none waits for another that waits for it, one kernel of each cycle a
+round, in parts by levels or in two.
 
 Fusion merges values of one shape and depth into one kernel; a merged kernel can then both
 feed and wait for another kernel: a forward activation written for a matmul, merged with the
@@ -8,6 +10,10 @@ value.
 """
 
 from __future__ import annotations
+
+from flame.ir.graph import Group
+from flame.ir.ops import get_op
+from flame.ir.passes.library_views import materialized_reads
 
 
 def cyclic_components(needs) -> list[set[int]]:
@@ -194,3 +200,102 @@ def _still_cyclic(needs, kernels: set[int]) -> bool:
                 path.discard(node)
                 done.add(node)
     return False
+
+
+def split_cycles(groups, grouping, position, reasons, materialized, reads, alive) -> list[Group]:
+    """Kernels split until none waits for another that waits for it. Every cycle between
+    kernels is found at once (strongly connected components) and one kernel of each is split
+    per round: the smallest that can be split (big row kernels stay whole), in as many parts
+    as the levels of its values need (``split_by_levels``), else in two when its values
+    split into those that wait for no kernel waiting for it and the rest (a forward value
+    merged with the backward that needs a matmul of it, ``split_in_two``), else into one
+    kernel per value. A deep model's backward has a few cycles per layer, and one cycle a
+    round made fusion quadratic in the depth.
+
+    Rounds only change the kernels they split and those that read them: each kernel has a
+    number (``serial``) and a place in the order (``rank``: a split kernel's parts take its
+    place, in their order), and the kernels each one waits for are kept from round to round
+    (``needs``, ``readers``) instead of being found again for all of them. ``reads`` and
+    ``alive``: as fuse.py's ``_needs``'s cache. ``grouping``: fuse.py's (its members and
+    reduction keys of roots)."""
+    producer: dict[int, int] = {}
+    for serial, group in enumerate(groups):
+        for out in group.outputs:
+            producer[id(out)] = serial
+    by_serial = dict(enumerate(groups))
+    rank = {serial: (serial,) for serial in by_serial}
+    needs: dict[int, set[int]] = {}
+    readers: dict[int, set[int]] = {serial: set() for serial in by_serial}
+
+    def waits_for(serial: int) -> set[int]:
+        group = by_serial[serial]
+        found = reads.get(id(group))
+        if found is None:
+            found = reads[id(group)] = materialized_reads(group, materialized)
+        sources = {producer.get(key) for key in found}
+        sources.discard(None)
+        sources.discard(serial)
+        return sources
+
+    for serial in by_serial:
+        needs[serial] = waits_for(serial)
+        for source in needs[serial]:
+            readers[source].add(serial)
+    count = len(groups)
+    for _ in range(len(groups) + 1):
+        components = cyclic_components(needs)
+        if not components:
+            break
+        split: dict[int, list] = {}
+        for component in components:
+            splittable = [i for i in component if len(by_serial[i].outputs) > 1]
+            if splittable:
+                chosen = min(splittable, key=lambda i: (len(by_serial[i].outputs), rank[i]))
+                parts = split_by_levels(
+                    by_serial, chosen, needs, reads, grouping.root_members, components, producer
+                )
+                if parts is None:
+                    parts = split_in_two(
+                        by_serial, chosen, readers, grouping.root_members, producer
+                    )
+                split[chosen] = parts or [[root] for root in by_serial[chosen].outputs]
+        for chosen, parts in split.items():
+            for source in needs.pop(chosen):
+                readers[source].discard(chosen)
+            waiting = readers.pop(chosen)
+            base = rank.pop(chosen)
+            del by_serial[chosen]
+            made = []
+            for place, roots in enumerate(parts):
+                group = _part_group(roots, grouping, position, reasons)
+                alive.append(group)
+                by_serial[count], rank[count], readers[count] = group, base + (place,), set()
+                for out in group.outputs:
+                    producer[id(out)] = count
+                made.append(count)
+                count += 1
+            for serial in made:
+                needs[serial] = waits_for(serial)
+                for source in needs[serial]:
+                    readers[source].add(serial)
+            for reader in waiting:  # what they read of ``chosen`` is now some part's
+                found = waits_for(reader)
+                for source in needs[reader] - found:
+                    if source != chosen:
+                        readers[source].discard(reader)
+                for source in found - needs[reader]:
+                    readers[source].add(reader)
+                needs[reader] = found
+    return [by_serial[serial] for serial in sorted(by_serial, key=rank.__getitem__)]
+
+
+def _part_group(roots, grouping, position, reasons) -> Group:
+    """The kernel of some of a split kernel's roots."""
+    key = next(filter(None, map(grouping.reduction_key, roots)), None)
+    found = sorted(grouping.members(roots, key), key=lambda n: position[id(n)])
+    has_reduce = any(get_op(n.op).kind == "reduce" for n in found)
+    if key is not None and not has_reduce:  # its reduction is another kernel's now
+        found = sorted(grouping.members(roots, None), key=lambda n: position[id(n)])
+    kind = "reduce" if has_reduce else "elementwise"
+    why = tuple(reasons[id(root)] for root in roots)
+    return Group(kind, tuple(found), tuple(roots), why)
