@@ -12,8 +12,8 @@ Run under notes/probes/switches.py to A/B the column kernel's constants
 import json
 import sys
 
-import cupy
 import torch
+from probe_common import event_us
 
 import flame as fl
 
@@ -23,29 +23,17 @@ CASES = (  # rows, columns, dtype: DiT-S/2 b64 bias gradients, UNet conv bias gr
 )  # fmt: skip
 
 
-def timed(call, repeats=50) -> float:
-    for _ in range(3):
-        call()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        call()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / repeats  # us
-
-
 def measure(rows: int, columns: int, dtype) -> dict:
     g = torch.randn(rows, columns, device="cuda").to(dtype)
     x = fl.from_dlpack(g)
     column_sum = fl.compile(lambda v: v.float().sum(0))
     bytes_read = g.numel() * g.element_size()
-    copy_us = timed(lambda: g.clone())
+    copy_us = event_us(lambda: g.clone(), 50)
     found = {
         "rows": rows, "columns": columns, "dtype": str(dtype).split(".")[-1],
         "bytes": bytes_read,
-        "flame_us": timed(lambda: column_sum(x)),
-        "torch_us": timed(lambda: g.float().sum(0) if dtype != torch.float32 else g.sum(0)),
+        "flame_us": event_us(lambda: column_sum(x), 50),
+        "torch_us": event_us(lambda: g.float().sum(0) if dtype != torch.float32 else g.sum(0), 50),
         "floor_us": copy_us / 2,  # a copy reads and writes: half of it reads
     }  # fmt: skip
     got = torch.from_dlpack(column_sum(x))

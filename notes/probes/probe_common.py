@@ -17,6 +17,20 @@ from bench.timing import python_probe_us
 from flame.replay import bind_arrays
 
 
+def event_us(call, repeats=30) -> float:
+    """Device microseconds per call of ``call`` (CUDA events around ``repeats`` calls, after
+    3 warm-up calls); calls whose host work outlasts the kernels measure the host instead."""
+    for _ in range(3):
+        call()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        call()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / repeats
+
+
 def best_us(function, calls=5000, runs=5, synchronize=None):
     """Microseconds per call of ``function``: best of ``runs`` runs of ``calls`` calls, each
     closed by a synchronize."""

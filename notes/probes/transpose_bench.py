@@ -11,25 +11,13 @@ plus an NCHW one, written NCHW), bfloat16 and float32.
 import json
 import sys
 
-import cupy
 import numpy as np
 import torch
+from probe_common import event_us
 
 import flame as fl
 
 SHAPES = ((256, 32, 32, 128), (256, 16, 16, 256), (256, 8, 8, 512), (64, 32, 32, 384))
-
-
-def timed(call, repeats=30) -> float:
-    for _ in range(3):
-        call()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(repeats):
-        call()
-    stop.record()
-    stop.synchronize()
-    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / repeats  # us
 
 
 def measure(dtype, tdtype, shape) -> dict:
@@ -43,12 +31,12 @@ def measure(dtype, tdtype, shape) -> dict:
     found = {
         "shape": list(shape), "dtype": dtype.name,
         "bytes": nhwc.numel() * nhwc.element_size() * 2,
-        "flame_to_nchw_us": timed(lambda: to_first(a)),
-        "flame_to_nhwc_us": timed(lambda: to_last(b)),
-        "flame_add_us": timed(lambda: add(a, b)),
-        "torch_to_nchw_us": timed(lambda: nhwc.permute(0, 3, 1, 2).contiguous()),
-        "torch_add_us": timed(lambda: nhwc.permute(0, 3, 1, 2) + nchw),
-        "copy_us": timed(lambda: nhwc.clone()),
+        "flame_to_nchw_us": event_us(lambda: to_first(a)),
+        "flame_to_nhwc_us": event_us(lambda: to_last(b)),
+        "flame_add_us": event_us(lambda: add(a, b)),
+        "torch_to_nchw_us": event_us(lambda: nhwc.permute(0, 3, 1, 2).contiguous()),
+        "torch_add_us": event_us(lambda: nhwc.permute(0, 3, 1, 2) + nchw),
+        "copy_us": event_us(lambda: nhwc.clone()),
     }  # fmt: skip
     expected = nhwc.permute(0, 3, 1, 2).contiguous()
     found["exact"] = bool(torch.equal(torch.from_dlpack(to_first(a)), expected))
