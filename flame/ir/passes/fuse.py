@@ -393,6 +393,12 @@ def _needs(groups: list[Group], materialized, reads: dict | None = None) -> list
     return needs
 
 
+def _write_extra(grouping, materialized, reasons) -> None:
+    for key, (node, reason) in grouping.extra.items():
+        materialized[key] = node
+        reasons[key] = reason
+
+
 def fuse(graph: Graph, saved=()) -> Graph:
     """``saved``: ``(node, reason, anchor)`` triples the save-or-recompute pass chose to
     write (remat.py); ``anchor``, a value the kernel that computes it anyway writes: the
@@ -406,20 +412,25 @@ def fuse(graph: Graph, saved=()) -> Graph:
             if anchor is not None:
                 homes[id(node)] = anchor
     for _ in range(len(graph.nodes) + 1):
-        groups, grouping = _form_groups(graph, materialized, reasons, homes, views)
+        for _ in range(len(graph.nodes) + 1):
+            groups, grouping = _form_groups(graph, materialized, reasons, homes, views)
+            if not grouping.extra:
+                break
+            _write_extra(grouping, materialized, reasons)
+        if grouping.extra:  # the last round added values: its answers are out of date
+            grouping = _Grouping(graph, materialized)
+        # ``materialized`` is fixed for the cycle splitting: the grouping's answers are kept
+        # (those of the round that added nothing, made over the same values)
+        position = {id(node): index for index, node in enumerate(graph.nodes)}
+        reads: dict[int, frozenset[int]] = {}
+        alive = list(groups)  # the groups the cache is keyed by, kept alive with it
+        groups = split_cycles(groups, grouping, position, reasons, materialized, reads, alive)
         if not grouping.extra:
             break
-        for key, (node, reason) in grouping.extra.items():
-            materialized[key] = node
-            reasons[key] = reason
-    if grouping.extra:  # the last round added values: its answers are out of date
-        grouping = _Grouping(graph, materialized)
-    # ``materialized`` is fixed from here on: the grouping's answers are kept (those of the
-    # round that added nothing, made over the same values)
-    position = {id(node): index for index, node in enumerate(graph.nodes)}
-    reads: dict[int, frozenset[int]] = {}
-    alive = list(groups)  # the groups the cache is keyed by, kept alive with it
-    groups = split_cycles(groups, grouping, position, reasons, materialized, reads, alive)
+        # a split kernel's part refused a value it cannot compute (a part left without the
+        # reduction its kernel had reads a view of a value computed from it: cross-entropy's
+        # backward): that value is written, and the kernels are formed again
+        _write_extra(grouping, materialized, reasons)
     ordered = _order_groups(groups, materialized, reads)
     # row kernels take over the column reductions of the rows they read (row_columns.py)
     attached = attach_columns(graph, ordered, materialized)
