@@ -17,6 +17,10 @@ class CacheInfo:
     graph_captures: int = 0  # CUDA graphs captured (one per program and input addresses)
     graph_replays: int = 0  # calls replayed as one CUDA-graph launch
     graph_failures: list = field(default_factory=list)  # captures that failed, and why
+    # per captured step graph: {"arena", "bytes" (its pool), "reason", "capture_s"; in an
+    # arena also "placement" (recorded, memory, disk), "live_peak", "block" (bytes),
+    # "allocations", "prepare_s" (loading or recording and placing), "record_s"}
+    graph_memory: list = field(default_factory=list)
     # kernels a trace loaded from disk or compiled: {"trace", "kernel", "origin", "reason",
     # "size_class"}; a compile after the first trace names what changed (never a size alone)
     kernels: list = field(default_factory=list)

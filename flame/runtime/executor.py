@@ -251,7 +251,9 @@ class Executor:
             plan = self._plan(pending, inputs)
             if digest is not None:
                 store.save(digest, plan, inputs)
+                object.__setattr__(plan, "digest", digest)  # a cache field (not compared)
             return plan
+        object.__setattr__(plan, "digest", digest)
         with self._lock:
             self.plan_disk_hits += 1
         if events.active():

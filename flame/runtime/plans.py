@@ -116,6 +116,11 @@ class Plan(Record, frozen=True):
     runner: object = field(default=False, compare=False, repr=False)
     # flame/runtime/writes.py: per slot, its first writing kernel and last reading step
     slot_steps: object = field(default=None, compare=False, repr=False)
+    # the plan store's key for this plan ("" when not stored), and the buffer placement of
+    # its captured step (flame/runtime/arena.py: found at the first capture, kept here and
+    # on disk under that key)
+    digest: str = field(default="", compare=False, repr=False)
+    arena: object = field(default=None, compare=False, repr=False)
 
 
 def planned_graph(pending: list[Node], inputs: list[Node], record: bool = False):

@@ -14,10 +14,16 @@ graph. What a capture bakes in, and how a replay keeps it true:
   is a copy, not a new capture.
 * **In-place writes** that the program's kernels make directly into the target's memory
   (``program.direct``) write there in the graph too (the target's address is in the key).
-* **Intermediates** come from a memory pool of the graph's own: the plan's releases return
-  buffers to it during the capture, so later steps of the graph reuse them as a run would
-  (peak memory is the plan's, not the sum of its buffers), and nothing outside the graph can
-  take them between replays.
+* **Intermediates** live in memory of the graph's own, which nothing outside the graph can
+  take between replays: one block, each buffer at an offset planned from a first capture
+  that records every allocation and is never launched (flame/runtime/arena.py), so the
+  graph holds about the plan's live peak, not a caching pool's high-water mark (the DDPM
+  UNet's step on the H100: 1.36 GB in one block, 1.79 GB from a pool). The placement is
+  kept on the plan and on disk beside it, so a later capture of the same plan (new
+  addresses, a new process) does not record again. Where a capture does not repeat the
+  recorded allocations, it is captured from a pool buffer by buffer (the plan's releases
+  still return buffers for later steps to reuse); ``cache_info().graph_memory`` says which,
+  and the bytes held.
 * **Results** (the loss, the gradients handed out as ``.grad``) live in the graph's memory and
   are lent: a result still held when the next replay starts is first moved out (its tensor
   keeps its values). Gradients the step will set again are dropped before the replay, so a
@@ -35,6 +41,8 @@ capture that fails, runs step by step, as before; the reason is in ``cache_info(
 
 from __future__ import annotations
 
+import os
+import time
 import weakref
 
 from flame.replay import GraphCache
@@ -45,6 +53,9 @@ STATIC_ARGUMENT_BYTES = 64 << 20
 # programs of at least this many launches are captured by default (``cuda_graph=None``):
 # their launches, not their kernels, bound the step
 STEP_GRAPH_LAUNCHES = 64
+# captured steps place their buffers in one block planned from a first, recorded capture
+# (flame/runtime/arena.py); off (False, or FLAME_STEP_ARENA=0): one pool, buffer by buffer
+ARENA = True
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every StepGraphs, for graph_pool_bytes()
 
 
@@ -103,22 +114,109 @@ class StepGraphs(GraphCache):
     def _capture(self, arrays: list, targets: dict) -> list:
         import cupy
 
-        from flame.runtime.launch import Launch
-
-        plan = self.plan
         pool = cupy.cuda.MemoryPool()  # the graph's own: reused inside it, by nobody else
-        current = cupy.cuda.get_current_stream()
         buffers = {}
         with cupy.cuda.using_allocator(pool.malloc):
             for index in self.static_positions:
                 buffers[index] = cupy.empty_like(arrays[index])
                 buffers[index][...] = arrays[index]
+        stream = cupy.cuda.Stream(non_blocking=True)
+        captured, memory = None, {"arena": False, "reason": "FLAME_STEP_ARENA=0"}
+        if ARENA and os.environ.get("FLAME_STEP_ARENA", "1") != "0":
+            captured, memory = self._capture_in_arena(arrays, targets, buffers, stream, pool)
+        if captured is None:
+            started = time.perf_counter()
+            captured = self._capture_with(pool.malloc, arrays, targets, buffers, stream)
+            memory["capture_s"] = time.perf_counter() - started
+        graph, slots = captured
+        memory["bytes"] = pool.total_bytes()
+        self.info.graph_memory.append(memory)
+        graph.upload(cupy.cuda.get_current_stream())
+        self.info.graph_captures += 1
+        for index in range(len(arrays)):  # addresses are baked in: keep no caller memory
+            if index not in self.plan.output_slots:
+                slots[index] = None
+        return [graph, slots, [None] * len(self.plan.output_slots), buffers, pool]
+
+    def _capture_in_arena(self, arrays, targets, buffers, stream, pool):
+        """The step captured into one block (flame/runtime/arena.py): ((graph, slots), memory
+        note), or (None, note) where the arena declined (nothing of its captures is kept).
+        The placement is the plan's (found at an earlier capture: in memory, or on disk
+        under the plan store's key), else recorded and placed now; a known placement that
+        the capture does not repeat is recorded again once."""
+        from flame.runtime.arena import ArenaDeclined
+
+        started = time.perf_counter()
+        planned, origin = self.plan.arena, "memory"
+        if planned is None:
+            planned, origin = _stored_arena(self.plan.digest), "disk"
+        for attempt in range(2):
+            fresh = planned is None
+            note = {"arena": True, "reason": "", "placement": "recorded" if fresh else origin}
+            try:
+                if fresh:
+                    planned = self._record(arrays, targets, buffers, stream, pool, note)
+                placed = time.perf_counter()
+                captured = self._capture_placed(planned, arrays, targets, buffers, stream, pool)
+            except ArenaDeclined as declined:
+                pool.free_all_blocks()
+                if not fresh and attempt == 0:
+                    planned = None  # a stale placement: record it again
+                    continue
+                return None, {"arena": False, "reason": str(declined)}
+            break
+        note.update(live_peak=planned.peak, block=planned.total, allocations=len(planned.sizes),
+                    prepare_s=placed - started, capture_s=time.perf_counter() - placed)  # fmt: skip
+        if self.plan.arena is not planned:
+            object.__setattr__(self.plan, "arena", planned)  # a cache field (not compared)
+            if note["placement"] == "recorded":
+                _store_arena(self.plan.digest, planned)
+        return captured, note
+
+    def _record(self, arrays, targets, buffers, stream, pool, note):
+        """A capture never launched, its allocations recorded and placed (``ArenaPlan``)."""
+        from flame.runtime.arena import Recorder
+
+        # the recording's buffers first fit in a block of the plan's planned peak (+ room for
+        # library workspaces); what does not fit comes from the pool
+        capacity = self.plan.planned_peak_bytes + (64 << 20)
+        recorder = Recorder(pool, stream.ptr, capacity)
+        started = time.perf_counter()
+        recording = self._capture_with(recorder, arrays, targets, buffers, stream)
+        del recording  # never launched: its buffers go back
+        recorder.release()
+        pool.free_all_blocks()
+        note["record_s"] = time.perf_counter() - started
+        return recorder.plan()
+
+    def _capture_placed(self, planned, arrays, targets, buffers, stream, pool):
+        """The capture replayed, its buffers at ``planned``'s offsets of one block;
+        ``ArenaDeclined`` when it does not repeat the recorded allocations."""
+        from flame.runtime.arena import ArenaAllocator
+
+        allocator = ArenaAllocator(planned, pool.malloc(planned.total), pool.malloc)
+        captured = self._capture_with(allocator, arrays, targets, buffers, stream)
+        try:
+            allocator.check()
+        except Exception:
+            del captured
+            raise
+        return captured
+
+    def _capture_with(self, allocator, arrays, targets, buffers, stream):
+        """One capture of the plan on ``stream``, its buffers from ``allocator``: (graph,
+        slots)."""
+        import cupy
+
+        from flame.runtime.launch import Launch
+
+        plan = self.plan
+        current = cupy.cuda.get_current_stream()
         slots = [buffers.get(index, array) for index, array in enumerate(arrays)]
         slots += [None] * (plan.slot_count - len(arrays))
         keep = set(plan.output_slots) | set(range(len(arrays)))
-        stream = cupy.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # inputs queued before the capture are ready
-        with stream, cupy.cuda.using_allocator(pool.malloc):
+        with stream, cupy.cuda.using_allocator(allocator):
             stream.begin_capture()
             try:
                 for step, releases in zip(plan.launches, plan.releases):
@@ -139,12 +237,47 @@ class StepGraphs(GraphCache):
                             slots[slot] = None  # its block serves later steps of the graph
             finally:
                 graph = stream.end_capture()
-        graph.upload(current)
-        self.info.graph_captures += 1
-        for index in range(len(arrays)):  # addresses are baked in: keep no caller memory
-            if index not in plan.output_slots:
-                slots[index] = None
-        return [graph, slots, [None] * len(plan.output_slots), buffers, pool]
+        return graph, slots
+
+
+def _stored_arena(digest: str):
+    """The placement stored under a plan's key, or None."""
+    from flame.runtime.arena import ArenaPlan
+
+    disk = _arena_disk(digest)
+    data = disk.get(_arena_key(digest)) if disk is not None else None
+    if data is None:
+        return None
+    try:
+        return ArenaPlan.from_bytes(data)
+    except ValueError:
+        return None
+
+
+def _store_arena(digest: str, planned) -> None:
+    disk = _arena_disk(digest)
+    if disk is not None:
+        try:
+            disk.put(_arena_key(digest), planned.to_bytes())
+        except OSError:  # a read-only or full cache: placed again next time
+            pass
+
+
+def _arena_disk(digest: str):
+    from flame.runtime import plan_store
+
+    if not digest or not plan_store.enabled():
+        return None
+    from flame.runtime.compiler import default_kernel_cache
+
+    return default_kernel_cache().disk
+
+
+def _arena_key(digest: str) -> str:
+    from flame.runtime.arena import ArenaPlan
+    from flame.runtime.cache import DiskCache
+
+    return DiskCache.key("step-arena", digest, str(ArenaPlan.FORMAT))
 
 
 def _describe(step) -> str:
