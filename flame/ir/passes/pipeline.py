@@ -11,6 +11,7 @@ from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
 from flame.ir.passes.joins import join_padded_sums
+from flame.ir.passes.late_reads import late_reads
 from flame.ir.passes.layouts import layouts
 from flame.ir.passes.lift import lift_row_epilogues
 from flame.ir.passes.remat import remat
@@ -26,6 +27,7 @@ PIPELINE = (
     layouts,  # values downstream of channels-last convs stay channels-last
     cse,  # one node per distinct computation
     dce,  # only what the outputs need
+    late_reads,  # a library operand read again much later is computed again there, not kept
     fuse,  # elementwise groups -> kernels
     remat,  # values several kernels need: saved once or recomputed (a min-cut)
 )
