@@ -247,7 +247,10 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
         cudnn = session["module"]
         started = time.perf_counter()
         disk_key = _disk_key(key)
-        blob = _disk().get(disk_key)
+        # not under a stream capture: deserializing a stored plan there crashed the process
+        # (a segfault inside the frontend's deserialize, in 3 of 12 warm processes that
+        # captured a UNet step; building under a capture never did)
+        blob = None if _capturing() else _disk().get(disk_key)
         graph = None
         if blob is not None:
             try:
@@ -280,6 +283,12 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
         made = Plan(graph, int(graph.get_workspace_size()), key, origin, elapsed)
         _PLANS[key] = made
         return made
+
+
+def _capturing() -> bool:
+    import cupy
+
+    return bool(cupy.cuda.get_current_stream().is_capturing())
 
 
 def _deserialize(graph, handle, blob: bytes) -> None:
