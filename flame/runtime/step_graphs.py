@@ -196,11 +196,7 @@ class StepGraphs(GraphCache):
 
         allocator = ArenaAllocator(planned, pool.malloc(planned.total), pool.malloc)
         captured = self._capture_with(allocator, arrays, targets, buffers, stream)
-        try:
-            allocator.check()
-        except Exception:
-            del captured
-            raise
+        allocator.check()  # raising, the capture is dropped with this frame
         return captured
 
     def _capture_with(self, allocator, arrays, targets, buffers, stream):

@@ -101,25 +101,21 @@ def _variant(row, name, session, io_type, define, modes, no_runtime, pointers):
     dnn._bind_stream(session)
     graph = dnn._new_graph(session, io_type)
     phases = {}
+
+    def timed(phase, *steps):
+        started = time.perf_counter()
+        for step in steps:
+            step()
+        phases[phase] = (time.perf_counter() - started) * 1e3
+
     try:
-        t = time.perf_counter()
-        define(graph)
-        graph.validate()
-        phases["validate"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        graph.build_operation_graph()
-        phases["operation_graph"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        graph.create_execution_plans(modes)
-        phases["heuristics"] = (time.perf_counter() - t) * 1e3
+        timed("validate", lambda: define(graph), graph.validate)
+        timed("operation_graph", graph.build_operation_graph)
+        timed("heuristics", lambda: graph.create_execution_plans(modes))
         if no_runtime:
             graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
-        t = time.perf_counter()
-        graph.check_support()
-        phases["check_support"] = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        graph.build_plans()
-        phases["build_plans"] = (time.perf_counter() - t) * 1e3
+        timed("check_support", graph.check_support)
+        timed("build_plans", graph.build_plans)
         candidates = graph.get_execution_plan_count()
         workspace = cupy.empty(max(graph.get_workspace_size(), 1), dtype=cupy.uint8)
 

@@ -77,40 +77,34 @@ def late_reads(graph: Graph) -> Graph:
                     last_use[id(child)] = last_use[id(node)]
                     keeper[id(child)] = node
     redirects: dict[int, list[tuple[int, Node, tuple[Node, ...]]]] = {}
+    chains: dict[int, tuple[list[Node], list[Node]]] = {}  # per copied value: _chain's answer
+    after: dict[int, Node | None] = {}  # per copied value: what its copy waits for
     for value in nodes:
-        plan = _late_copy(value, uses.get(id(value), ()), last_use, position)
-        if plan is None:
+        found = _late_copy(value, uses.get(id(value), ()), last_use, position)
+        if found is None:
             continue
-        for _, consumer, index, path in plan:
+        late, chains[id(value)] = found
+        waits = _latest_reader_operand(chains[id(value)][1], keeper, position)
+        after[id(value)] = waits if waits is not None else _after(late[0][1], late[0][2])
+        for _, consumer, index, path in late:
             redirects.setdefault(id(consumer), []).append((index, value, path))
     if not redirects:
         return graph
-    by_id = {id(node): node for node in nodes}
-    after: dict[int, Node | None] = {}  # per copied value: what its copy waits for
-    for consumer_id, found in redirects.items():
-        for index, value, _ in found:
-            if id(value) not in after:
-                waits = _latest_reader_operand(value, keeper, position)
-                if waits is None:
-                    waits = _after(by_id[consumer_id], index)
-                after[id(value)] = waits
-    rebuilt = _rebuild(graph, redirects, after)
+    rebuilt = _rebuild(graph, redirects, chains, after)
     return graph if rebuilt is None else rebuilt
 
 
-def _rebuild(graph: Graph, redirects, after) -> Graph | None:
+def _rebuild(graph: Graph, redirects, chains, after) -> Graph | None:
     """The graph with each redirected read taking the copy (built once per value, over its
     sources and the node it waits for); None if that order has a cycle (a copy waiting for a
     value that needs the copy)."""
     mapped: dict[int, Node] = {}
     copies: dict[int, Node] = {}
-    sources = {key: _chain(value)[1] for key, value in
-               ((id(v), v) for found in redirects.values() for _, v, _ in found)}  # fmt: skip
 
     def needs(node: Node) -> list[Node]:
         extra = []
         for _, value, path in redirects.get(id(node), ()):
-            extra += sources[id(value)] + [c for view in path for c in view.inputs[1:]]
+            extra += chains[id(value)][1] + [c for view in path for c in view.inputs[1:]]
             if after[id(value)] is not None:
                 extra.append(after[id(value)])
         return list(node.inputs) + extra
@@ -138,7 +132,7 @@ def _rebuild(graph: Graph, redirects, after) -> Graph | None:
                 if copy is None:
                     waits = after[id(value)]
                     waits = None if waits is None else mapped[id(waits)]
-                    copy = copies[id(value)] = _copy(value, mapped, waits)
+                    copy = copies[id(value)] = _copy(value, chains[id(value)], mapped, waits)
                 for view in path:  # the reader's views, over the copy
                     copy = Node(view.op, (copy, *(mapped[id(c)] for c in view.inputs[1:])),
                                 view.attrs, view.dtype, view.shape, view.site)  # fmt: skip
@@ -175,7 +169,8 @@ def _chain(value: Node) -> tuple[list[Node], list[Node]] | None:
 
 
 def _late_copy(value: Node, found, last_use, position):
-    """The late uses of ``value`` that should read a copy of it, or None."""
+    """The late uses of ``value`` that should read a copy of it and the copy's chain
+    (``_chain``), or None."""
     if is_input(value) or get_op(value.op).kind != "elementwise" or len(found) < 2:
         return None
     size = value.numel * value.dtype.itemsize
@@ -200,14 +195,13 @@ def _late_copy(value: Node, found, last_use, position):
         cost += max(0, extra) * source.numel * source.dtype.itemsize
     if size * gap < GAIN_OVER_COST * cost:
         return None
-    return ordered[split + 1 :]
+    return ordered[split + 1 :], chain
 
 
-def _latest_reader_operand(value, keeper, position) -> Node | None:
-    """A library result that the op keeping ``value``'s sources longest also reads (a GELU's
+def _latest_reader_operand(sources, keeper, position) -> Node | None:
+    """A library result that the op keeping a copy's ``sources`` longest also reads (a GELU's
     gradient reads the gradient of its output, a matmul's): a copy waiting for it is
     computed in that op's kernel, which reads the sources there anyway."""
-    _, sources = _chain(value)
     best = None
     for source in sources:
         if is_input(source):
@@ -240,13 +234,13 @@ def _after(consumer: Node, index: int) -> Node | None:
     return None
 
 
-def _copy(value: Node, mapped: dict[int, Node], after: Node | None) -> Node:
+def _copy(value: Node, chain_and_sources, mapped: dict[int, Node], after: Node | None) -> Node:
     """A new node (and new nodes for its elementwise chain) computing ``value`` again from
     its sources' rewritten nodes. Each computed source is read through a ``barrier`` that
     also reads one element of ``after`` (as a checkpoint's recomputation does,
     flame/recompute.py): the copy cannot be scheduled before the late reader's other
     operand exists, so fusion computes it in the backward, not beside the original."""
-    chain, sources = _chain(value)
+    chain, sources = chain_and_sources
     made: dict[int, Node] = {}
     for source in sources:
         if after is None or is_input(source) or get_op(source.op).kind == "leaf":
