@@ -17,6 +17,7 @@ from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
 from flame.ir.ops.collective import COLLECTIVE_OPS
 from flame.runtime import events
+from flame.runtime.library_cudnn import plans_for_capture
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry
 from flame.tensor import Tensor
@@ -316,7 +317,7 @@ class GraphCache:
 
         stream = cupy.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # inputs queued before the capture are ready
-        with stream, cupy.cuda.using_allocator(allocator):
+        with plans_for_capture(plan.digest), stream, cupy.cuda.using_allocator(allocator):
             stream.begin_capture()
             try:
                 for step in plan.launches:

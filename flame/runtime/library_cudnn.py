@@ -20,6 +20,8 @@ package and library load; ``status()`` says which, for ``flame info``.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ _LOCK = threading.RLock()
 _SESSION: dict = {}  # filled once: module, handle, version, or the reason cuDNN is unusable
 _PLANS: dict[tuple, Plan] = {}
 _LOADING: threading.Thread | None = None  # start_loading's thread
+_NOTED = threading.local()  # .entries: the plans a capture on this thread asks for
+ENTRIES_FORMAT = 1  # of the stored lists of a captured program's plans
 
 # cuDNN data types by FLAME dtype name (bfloat16 arrays are uint16 bits in CuPy)
 _TYPE_NAMES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT", "float64": "DOUBLE",
@@ -236,6 +240,9 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
     """The plan for ``key``: from memory, else deserialized from disk, else built by
     ``define(graph)`` (which adds the tensors, with uids, and the operations). ``describe()``
     names the op and its configuration in errors."""
+    noted = getattr(_NOTED, "entries", None)
+    if noted is not None:
+        noted.setdefault(key, io_type)
     found = _PLANS.get(key)
     if found is not None:
         return found
@@ -249,16 +256,10 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
         disk_key = _disk_key(key)
         # not under a stream capture: deserializing a stored plan there crashed the process
         # (a segfault inside the frontend's deserialize, in 3 of 12 warm processes that
-        # captured a UNet step; building under a capture never did)
-        blob = None if _capturing() else _disk().get(disk_key)
-        graph = None
-        if blob is not None:
-            try:
-                graph = _new_graph(session, io_type)
-                _deserialize(graph, session["handle"], blob)
-                origin = "disk"
-            except Exception:  # noqa: BLE001 (a stale or foreign blob: build it instead)
-                graph = None
+        # captured a UNet step; building under a capture never did). A captured program's
+        # plans are read before its capture instead (``plans_for_capture``).
+        graph = None if _capturing() else _read(session, key, io_type)
+        origin = "disk"
         if graph is None:
             graph = _new_graph(session, io_type)
             try:
@@ -285,10 +286,103 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
         return made
 
 
+def _read(session: dict, key: tuple, io_type: str):
+    """The plan of ``key`` deserialized from FLAME's disk cache into a new graph, or None
+    (not stored, or a stale or foreign blob: built instead)."""
+    blob = _disk().get(_disk_key(key))
+    if blob is None:
+        return None
+    try:
+        graph = _new_graph(session, io_type)
+        _deserialize(graph, session["handle"], blob)
+    except Exception:  # noqa: BLE001 (the frontend raises several types)
+        return None
+    return graph
+
+
 def _capturing() -> bool:
     import cupy
 
     return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
+def preload(entries) -> int:
+    """Read the stored plans of ``entries`` ((key, io type) pairs) that this process does not
+    hold yet, outside any capture; keys not stored are left to ``plan``. How many were read."""
+    if _capturing() or not usable():
+        return 0
+    read = 0
+    with _LOCK:
+        session = _load()
+        for key, io_type in entries:
+            if key in _PLANS:
+                continue
+            started = time.perf_counter()
+            graph = _read(session, key, io_type)
+            if graph is None:
+                continue
+            elapsed = (time.perf_counter() - started) * 1e3
+            _PLANS[key] = Plan(graph, int(graph.get_workspace_size()), key, "disk", elapsed)
+            read += 1
+    return read
+
+
+@contextlib.contextmanager
+def plans_for_capture(digest: str | None):
+    """Around the capture of the program stored under ``digest`` (the plan store's key):
+    first the cuDNN plans an earlier capture of it asked for are read from disk (a plan is
+    not deserialized under a capture, see ``plan``), then the capture's own requests are
+    noted, and stored under ``digest`` when they are new. Without a digest (no plan store)
+    the capture builds what is not in memory, as before."""
+    if not digest:
+        yield
+        return
+    from flame.runtime import plan_store
+
+    disk = _disk() if plan_store.enabled() else None
+    list_key = _list_key(digest)
+    stored = decode_entries(disk.get(list_key)) if disk is not None else []
+    if stored:
+        preload(stored)
+    previous = getattr(_NOTED, "entries", None)
+    noted: dict = {}
+    _NOTED.entries = noted
+    try:
+        yield
+    finally:
+        _NOTED.entries = previous
+    if disk is not None and noted and not set(noted) <= {key for key, _ in stored}:
+        merged = dict(stored)
+        merged.update(noted)
+        try:
+            disk.put(list_key, encode_entries(merged.items()))
+        except OSError:  # a read-only or full cache: built under the capture next time
+            pass
+
+
+def _list_key(digest: str) -> str:
+    from flame.runtime.cache import DiskCache
+
+    return DiskCache.key("cudnn-plans-of", digest, str(ENTRIES_FORMAT))
+
+
+def encode_entries(entries) -> bytes:
+    """(key, io type) pairs as text: keys are tuples of str, int, float, bool and None."""
+    return repr([[key, io_type] for key, io_type in entries]).encode()
+
+
+def decode_entries(data: bytes | None) -> list[tuple[tuple, str]]:
+    """``encode_entries``' pairs back; [] for nothing stored or anything malformed."""
+    if not data:
+        return []
+    try:
+        value = ast.literal_eval(data.decode())
+        entries = [(key, io_type) for key, io_type in value]
+    except (ValueError, SyntaxError, TypeError, UnicodeDecodeError, MemoryError):
+        return []
+    if not all(isinstance(key, tuple) and isinstance(io, str) for key, io in entries):
+        return []
+    return entries
 
 
 def _deserialize(graph, handle, blob: bytes) -> None:

@@ -62,6 +62,7 @@ def main(size: int = 32, batch: int = 64) -> None:
     timed(KernelCache, "cubins", "kernel cache lookups and compiles")
     timed(step_graphs.StepGraphs, "_capture", "step capture (rest)")
     timed(library_cudnn, "plan", "cudnn plans")
+    timed(library_cudnn, "preload", "cudnn plans read before the capture")
     timed(library_cudnn, "_load", "cudnn session (load/wait)")
     with fl.backend("cuda"):
         cupy.cuda.runtime.free(0)
@@ -77,7 +78,8 @@ def main(size: int = 32, batch: int = 64) -> None:
     parts = {k: [round(v[0] * 1e3, 1), v[1]] for k, v in ranked}
     attributed = sum(v[0] for v in TOTALS.values())
     print(json.dumps({"first_step_ms": round(total * 1e3, 1), "parts_ms_calls": parts,
-                      "unattributed_ms": round((total - attributed) * 1e3, 1)},
+                      "unattributed_ms": round((total - attributed) * 1e3, 1),
+                      "cudnn_plans": library_cudnn.plan_counts()},
                      ))  # fmt: skip
 
 
