@@ -35,11 +35,16 @@ def test_a_stored_plan_is_built_again_under_a_capture(monkeypatch, capturing):
     monkeypatch.setattr(dnn, "_new_graph", lambda session, io_type: _Graph(log))
     monkeypatch.setattr(dnn, "_deserialize", lambda graph, handle, blob: log.append("deserialize"))
     monkeypatch.setattr(dnn, "_capturing", lambda: capturing)
+    binds = []
+    monkeypatch.setattr(dnn, "_bind_stream", lambda session: binds.append(capturing))
     made = dnn.plan(("conv", "x"), "bfloat16", lambda graph: log.append("define"), lambda: "conv")
     if capturing:
         assert made.origin == "built" and "deserialize" not in log and "build_plans" in log
     else:
         assert made.origin == "disk" and log == ["deserialize"]
+    # bound to the caller's stream before a read or a build, except under a capture: the
+    # stream it was bound to last may have been a capture's, destroyed since
+    assert binds == ([] if capturing else [False])
 
 
 class _Session:
@@ -63,6 +68,8 @@ class _Session:
             dnn, "_deserialize", lambda graph, handle, blob: self.log.append(("read", blob))
         )
         monkeypatch.setattr(dnn, "_capturing", lambda: self.capturing)
+        monkeypatch.setattr(dnn, "_bind_stream", lambda session: self.log.append("bind"))
+        monkeypatch.setattr(dnn, "_SESSION", {"module": fake})
         monkeypatch.setattr(plan_store, "enabled", lambda: True)
 
     def new_process(self, monkeypatch):
@@ -97,6 +104,7 @@ def test_stored_plans_of_a_capture_are_read_before_the_next_capture(monkeypatch)
     session.new_process(monkeypatch)
     assert session.capture(KEYS) == ["disk", "disk"]  # read before the capture, not built
     assert "build_plans" not in session.log
+    assert session.log[0] == "bind" and session.log[-1] == "bind"  # before reads, after capture
     assert [entry for entry in session.log if entry[0] == "read"] == [("read", b"plan")] * 2
 
 

@@ -258,7 +258,10 @@ def plan(key: tuple, io_type: str, define, describe) -> Plan:
         # (a segfault inside the frontend's deserialize, in 3 of 12 warm processes that
         # captured a UNet step; building under a capture never did). A captured program's
         # plans are read before its capture instead (``plans_for_capture``).
-        graph = None if _capturing() else _read(session, key, io_type)
+        capturing = _capturing()
+        if not capturing:  # the stream it was bound to last may be gone (a capture's)
+            _bind_stream(session)
+        graph = None if capturing else _read(session, key, io_type)
         origin = "disk"
         if graph is None:
             graph = _new_graph(session, io_type)
@@ -314,6 +317,7 @@ def preload(entries) -> int:
     read = 0
     with _LOCK:
         session = _load()
+        _bind_stream(session)
         for key, io_type in entries:
             if key in _PLANS:
                 continue
@@ -351,6 +355,9 @@ def plans_for_capture(digest: str | None):
         yield
     finally:
         _NOTED.entries = previous
+        if "module" in _SESSION:  # off the capture's stream, which its owner may now drop
+            with _LOCK:
+                _bind_stream(_SESSION)
     if disk is not None and noted and not set(noted) <= {key for key, _ in stored}:
         merged = dict(stored)
         merged.update(noted)
