@@ -2,11 +2,20 @@
 crashed warm processes there); the plan is built instead, and read from disk otherwise
 (flame/runtime/library_cudnn.py)."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from flame.runtime import library_cudnn as dnn
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class _Graph:
@@ -132,3 +141,77 @@ def test_malformed_lists_read_as_empty(data):
 def test_lists_round_trip_floats_and_nested_tuples():
     entries = [(("sdpa", "float16", 0.08838834764831845, True, ((1, 2), (3, 4)), None), "half")]
     assert dnn.decode_entries(dnn.encode_entries(entries)) == entries
+
+
+CAPTURE_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import sys
+
+    import numpy as np
+
+    import flame as fl
+    import flame.nn as nn
+    import flame.nn.functional as F
+    from flame.runtime import library_cudnn
+
+    with fl.backend("cuda"):
+        fl.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 3, 3))
+        rng = np.random.default_rng(0)
+        x = fl.tensor(rng.standard_normal((2, 3, 8, 8)).astype(np.float32))
+        target = fl.tensor(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+        if sys.argv[1] == "step":  # sets .grad and updates in place: a step graph
+            optimizer = fl.optim.SGD(model.parameters(), lr=0.1)
+
+            @fl.compile(cuda_graph=True)
+            def step(x, target):
+                loss = F.mse_loss(model(x), target)
+                loss.backward()
+                optimizer.step()
+                return loss
+
+            losses = []
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                losses.append(float(step(x, target).item()))
+        else:  # returns its gradients: a program's graph (GraphCache)
+            weights = [p.detach() for p in model.parameters()]
+
+            def loss_of(*weights):
+                hidden = F.silu(F.conv2d(x, weights[0], weights[1], padding=1))
+                return F.mse_loss(F.conv2d(hidden, weights[2], weights[3]), target)
+
+            step = fl.compile(fl.value_and_grad(loss_of, argnums=(0, 1, 2, 3)), cuda_graph=True)
+            losses = [float(step(*weights)[0].item()) for _ in range(3)]
+        info = step.cache_info()
+    print(json.dumps({"plans": library_cudnn.plan_counts(), "losses": losses,
+                      "captures": info.graph_captures, "failures": info.graph_failures}))
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["step", "graph"])
+def test_a_fresh_process_reads_a_captured_programs_plans_before_capturing(tmp_path, kind):
+    """The second process finds the plans its capture needs on disk and reads them before
+    the capture (none is built under it); both processes compute the same losses."""
+    from flame.backends import cudnn
+
+    if not cudnn.is_available():
+        pytest.skip("cuDNN is not available")
+    environment = {**os.environ, "FLAME_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", CAPTURE_SCRIPT, kind], env=environment, cwd=REPO,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    for run in runs:
+        assert run["captures"] == 1 and not run["failures"], run
+    assert first["plans"].get("built", 0) >= 4, first  # forward and gradients of two convs
+    assert second["plans"].get("disk", 0) >= 4 and not second["plans"].get("built"), second
+    np.testing.assert_allclose(second["losses"], first["losses"], rtol=1e-6)
