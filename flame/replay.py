@@ -16,7 +16,7 @@ from flame.amp.autocast_mode import key as autocast_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.node import Node
 from flame.ir.ops.collective import COLLECTIVE_OPS
-from flame.runtime import events
+from flame.runtime import events, warmup
 from flame.runtime.library_cudnn import plans_for_capture
 from flame.runtime.storage import Storage, storage_of
 from flame.signatures import exact_entry
@@ -233,6 +233,7 @@ class GraphCache:
         self.entries: dict[tuple, list] = {}  # addresses -> [graph, slots, lent, held blocks]
         self.lock = threading.Lock()
         self.failed: str | None = None  # why capturing failed; then never tried again
+        self.retried = False  # a capture spoiled from outside was tried again once
         _GRAPH_CACHES.add(self)
 
     def uses_group(self, group: str) -> bool:
@@ -267,8 +268,14 @@ class GraphCache:
                 try:
                     entry = self._capture(arrays, targets)
                 except Exception as error:  # noqa: BLE001  a routine that cannot be captured
-                    self.failed = f"{type(error).__name__}: {error}"
-                    self.info.graph_failures.append(self.failed)
+                    message = f"{type(error).__name__}: {error}"
+                    self.info.graph_failures.append(message)
+                    if "StreamCaptureInvalidated" in message and not self.retried:
+                        # another thread's CUDA call can spoil a capture: once, try again
+                        # at the next call (this one runs step by step)
+                        self.retried = True
+                        return None
+                    self.failed = message
                     return None
                 self.entries[key] = entry
             graph, slots, lent = entry[:3]
@@ -317,6 +324,7 @@ class GraphCache:
 
         stream = cupy.cuda.Stream(non_blocking=True)
         stream.wait_event(current.record())  # inputs queued before the capture are ready
+        warmup.finish()  # cuBLAS starting on its thread would spoil the capture
         with plans_for_capture(plan.digest), stream, cupy.cuda.using_allocator(allocator):
             stream.begin_capture()
             try:

@@ -46,6 +46,7 @@ import time
 import weakref
 
 from flame.replay import GraphCache
+from flame.runtime import warmup
 from flame.runtime.library_cudnn import plans_for_capture
 
 # arguments up to this size are copied into the graph's own buffers at each replay; larger
@@ -214,6 +215,7 @@ class StepGraphs(GraphCache):
         slots += [None] * (plan.slot_count - len(arrays))
         keep = set(plan.output_slots) | set(range(len(arrays)))
         stream.wait_event(current.record())  # inputs queued before the capture are ready
+        warmup.finish()  # cuBLAS starting on its thread would spoil the capture
         with stream, cupy.cuda.using_allocator(allocator):
             stream.begin_capture()
             try:

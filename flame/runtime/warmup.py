@@ -7,8 +7,9 @@ CUDA executor starts, a daemon thread runs one tiny product per common dtype on 
 handle of its own, through ctypes so that the GIL is released while cuBLAS initializes (CuPy's
 wrappers keep it). The caller's first real product then finds the library warm.
 
-``FLAME_CUBLAS_WARMUP=0`` turns it off. Any failure here is silent by design: the real call
-will initialize cuBLAS itself and report its own errors.
+``FLAME_CUBLAS_WARMUP=0`` turns it off. A CUDA-graph capture waits for the thread first
+(``finish``): cuBLAS starting beside a capture invalidates it. Any failure here is silent by
+design: the real call will initialize cuBLAS itself and report its own errors.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ _CUBLAS_GEMM_DEFAULT = -1
 _SIZE = 64
 
 _started = threading.Event()  # once per process: cuBLAS state is per process too
+_thread: threading.Thread | None = None
 
 
 def start() -> threading.Thread | None:
     """Start the warm-up thread once per process; returns it (None when off or done)."""
+    global _thread
     if os.environ.get("FLAME_CUBLAS_WARMUP", "1") == "0" or _started.is_set():
         return None
     _started.set()
     thread = threading.Thread(target=warm_now, name="flame-cublas-warmup", daemon=True)
+    _thread = thread
     thread.start()
     # a process that ends while cuBLAS is starting would tear CUDA down under the thread
     atexit.register(thread.join, 30.0)
@@ -71,3 +75,13 @@ def warm_now() -> bool:
         return True
     except Exception:  # noqa: BLE001  best effort: the real call reports real errors
         return False
+
+
+def finish(timeout: float = 30.0) -> None:
+    """Wait for the warm-up thread, if one runs: called before a CUDA-graph capture begins.
+    cuBLAS starting on that thread invalidated a capture under way on another thread (a
+    small compiled step captured within ~0.1 s of its first launches failed its capture
+    every time, and was then run launch by launch for good)."""
+    thread = _thread
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout)
