@@ -280,6 +280,7 @@ from flame.nn.normalization import batch_norm, instance_norm  # noqa: E402
 from flame.nn.pooling import (  # noqa: E402
     adaptive_avg_pool1d,
     adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
     adaptive_max_pool2d,
     avg_pool1d,
     avg_pool2d,
@@ -293,6 +294,6 @@ __all__ += [
     "multi_head_attention_forward", "scaled_dot_product_attention", "bilinear", "conv1d",
     "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear", "unfold",
     "interpolate", "dropout1d", "dropout2d", "dropout3d", "batch_norm", "instance_norm",
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool1d",
-    "avg_pool2d", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+    "avg_pool1d", "avg_pool2d", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
 ]  # fmt: skip

@@ -285,11 +285,12 @@ def interpolate(
     if mode == "area":
         from flame.nn import pooling
 
-        if spatial == 3:
-            raise NotImplementedError("interpolate: mode 'area' of a 5-d input is not supported")
-        if spatial == 1:
-            return pooling.adaptive_avg_pool1d(input, sizes)
-        return pooling.adaptive_avg_pool2d(input, sizes)
+        pools = {
+            1: pooling.adaptive_avg_pool1d,
+            2: pooling.adaptive_avg_pool2d,
+            3: pooling.adaptive_avg_pool3d,
+        }
+        return pools[spatial](input, sizes)
     result = input
     options = (bool(align_corners), bool(antialias))
     for axis in reversed(range(spatial)):

@@ -1,5 +1,5 @@
 """Pooling and resampling with PyTorch's signatures: ``avg_pool1d/2d``, ``max_pool1d/2d``,
-``adaptive_avg_pool1d/2d``, ``adaptive_max_pool2d``, ``pixel_shuffle``, ``pixel_unshuffle``
+``adaptive_avg_pool1d/2d/3d``, ``adaptive_max_pool2d``, ``pixel_shuffle``, ``pixel_unshuffle``
 and ``interpolate``, written with public FLAME ops (autograd, every backend, fusion).
 
 A window pooling reads one strided view of the padded input per kernel tap and combines the
@@ -29,8 +29,9 @@ from flame.tensor import Tensor
 from flame.views import permute, reshape
 
 __all__ = [
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool1d",
-    "avg_pool2d", "interpolate", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+    "avg_pool1d", "avg_pool2d", "interpolate", "max_pool1d", "max_pool2d", "pixel_shuffle",
+    "pixel_unshuffle",
 ]  # fmt: skip
 
 
@@ -328,6 +329,25 @@ def adaptive_avg_pool2d(input: Tensor, output_size) -> Tensor:  # noqa: A002
 def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:  # noqa: A002
     (size,) = _adaptive_sizes("adaptive_avg_pool1d", input, output_size, 1)
     return _drop_height(adaptive_avg_pool2d(_unit_height(input), (1, size)))
+
+
+@user_errors
+def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:  # noqa: A002
+    """Average pooling of input [N, C, D, H, W] (or [C, D, H, W]) into ``output_size``
+    windows: ``adaptive_avg_pool2d`` over each depth slice, then the depth windows averaged
+    by one product with a constant [out, D] matrix (separable, as the windows are)."""
+    out_sizes = _adaptive_sizes("adaptive_avg_pool3d", input, output_size, 3)
+    *lead, depth, height, width = input.shape
+    if out_sizes == (1, 1, 1):
+        return R.mean(input, (-3, -2, -1), keepdim=True)
+    planes = adaptive_avg_pool2d(reshape(input, (-1, depth, height, width)), out_sizes[1:])
+    if out_sizes[0] != depth:
+        precision = np.float64 if planes.dtype.name == "float64" else np.float32
+        averaging = _averaging_matrix(depth, out_sizes[0]).astype(precision)
+        rows = _on_backend_of(planes, averaging).to(planes.dtype)
+        flat = reshape(planes, (planes.shape[0], depth, -1))
+        planes = matmul(rows, flat)
+    return reshape(planes, (*lead, *out_sizes))
 
 
 def _adaptive_max_axis(x: Tensor, axis: int, out: int) -> Tensor:
