@@ -141,7 +141,7 @@ class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
 
 
 class AdaptiveMaxPool2d(Module):
-    """(``return_indices=True`` is refused by the functional op for now.)"""
+    """``return_indices``: ``forward`` gives (maxima, int64 flat indices into H * W)."""
 
     def __init__(self, output_size, return_indices: bool = False) -> None:
         super().__init__()
