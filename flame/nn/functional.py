@@ -8,9 +8,10 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
-from flame.indexing import checked_targets, embedding, one_hot
+from flame.indexing import checked_targets, one_hot
 from flame.ir.passes import layouts
 from flame.ir.shapes import ShapeError, prod
+from flame.nn.embedding import embedding
 from flame.nn.group_norm_layouts import _after_channels_last_conv, _group_norm_channels_last
 from flame.tensor import Tensor
 from flame.views import channels_innermost, reshape
