@@ -75,10 +75,17 @@ def scatter_add(input: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor: 
     return apply_op("scatter_add", input, index, src, dim=dim)
 
 
-def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:  # noqa: A002
+def embedding(
+    input: Tensor,  # noqa: A002
+    weight: Tensor,
+    padding_idx: int | None = None,
+    scale_grad_by_freq: bool = False,
+) -> Tensor:
     """Rows of ``weight [num_embeddings, dim]`` named by the integer ``input``: shape
-    ``input.shape + [dim]`` (``torch.nn.functional.embedding``). ``padding_idx`` only changes
-    the gradient (that row gets none), as in PyTorch."""
+    ``input.shape + [dim]`` (``torch.nn.functional.embedding`` without ``max_norm``, which
+    ``flame.nn.functional.embedding`` adds). ``padding_idx`` and ``scale_grad_by_freq`` only
+    change the gradient, as in PyTorch: the padding row gets none; each lookup's gradient
+    row is divided by how often its index occurs in ``input``."""
     _check_tensors("embedding", input=input, weight=weight)
     if padding_idx is not None and weight.ndim == 2:
         rows = weight.shape[0]
@@ -87,7 +94,10 @@ def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
                 ValueError(f"embedding: padding_idx {padding_idx} is out of range for {rows} rows")
             )
         padding_idx %= rows
-    return apply_op("embedding", input, weight, padding_idx=padding_idx)
+    return apply_op(
+        "embedding", input, weight, padding_idx=padding_idx,
+        scale_grad_by_freq=bool(scale_grad_by_freq),
+    )  # fmt: skip
 
 
 def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:

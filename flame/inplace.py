@@ -168,13 +168,7 @@ def write(target: Tensor, value: Tensor, op: str) -> Tensor:
         realize_nodes(target.backend, [base])
         found = _memory_for_writing(old)
     if found is None:  # a lazy value: the tensor now stands for the new value
-        node = value.node
-        if original.grad_info is not None:  # a leaf keeps its flag and hooks, on a node
-            from flame.shaping import clone  # of its own (``value``'s may be shared)
-
-            node = clone(value).node
-            node.grad_info = original.grad_info
-        target.node = node
+        target.node = _keeping_leaf(original, value)
         return target
     storage, view = found
     if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
@@ -266,7 +260,7 @@ def _write_traced(trace, target: Tensor, value: Tensor, op: str) -> Tensor:
     if storage is None:
         found = memory_of(target.node)
         if found is None:  # a lazy value of the trace: it now stands for the new value
-            target.node = value.node
+            target.node = _keeping_leaf(target.node, value)
             return target
         storage, view = found
         if not _is_whole(view, storage):
@@ -277,8 +271,21 @@ def _write_traced(trace, target: Tensor, value: Tensor, op: str) -> Tensor:
                 f"not supported yet; write the whole tensor [at {format_site(user_site())}]"
             )
     trace.note_write(target, storage, value.node)
-    target.node = value.node
+    target.node = _keeping_leaf(target.node, value)  # a parameter written stays a leaf
     return target
+
+
+def _keeping_leaf(original: Node, value: Tensor) -> Node:
+    """The node a written tensor stands for: ``value``'s, or where the tensor was a leaf
+    that requires grad, a node of its own (``value``'s may be shared) that keeps the leaf's
+    flag and hooks, as the write to memory keeps them."""
+    if original.grad_info is None:
+        return value.node
+    from flame.shaping import clone
+
+    node = clone(value).node
+    node.grad_info = original.grad_info
+    return node
 
 
 def write_memory(storage, view: View, value: Tensor) -> None:

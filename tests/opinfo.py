@@ -257,6 +257,24 @@ def compile_groups(nodes, arch: str = "sm_90"):
     return graph, compiled
 
 
+def compile_plan_kernels(nodes, arch: str = "sm_90"):
+    """The CUDA plan of ``nodes`` without a GPU: the passes, then every fused group (any
+    kind but library calls) lowered, rendered and compiled with NVRTC. Returns the cubins
+    (at least one is asserted)."""
+    from flame.codegen.lower import lower_group
+    from flame.codegen.render import render
+    from flame.ir.graph import Graph
+    from flame.ir.passes import run_pipeline
+    from flame.runtime.compiler import nvrtc_compile
+    from flame.runtime.executor import _layout_of
+
+    graph = run_pipeline(Graph(tuple(nodes)))
+    specs = [lower_group(group, _layout_of).spec for group in graph.groups
+             if group.kind != "library"]  # fmt: skip
+    assert specs, "the plan has no kernel"
+    return [nvrtc_compile(render(spec), spec.name, arch) for spec in specs]
+
+
 # --- NumPy semantics, independent of FLAME's references (PyTorch's meaning) -------------
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])

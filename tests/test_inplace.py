@@ -384,6 +384,24 @@ def test_a_lazy_leaf_written_under_no_grad_still_requires_grad(reference_backend
     np.testing.assert_array_equal(w.grad.numpy(), np.full((4, 5), 3.0))
 
 
+def test_a_leaf_written_under_no_grad_inside_compile_still_requires_grad(backend):
+    """As eagerly: a parameter written in place (a max_norm renorm) and then used in the
+    same compiled step gets its gradient."""
+    w = fl.tensor(np.full(4, 2.0, np.float32)).realize().requires_grad_()
+
+    @fl.compile
+    def step(x):
+        with fl.no_grad():
+            w.mul_(0.5)
+        loss = (w * x).sum()
+        loss.backward()
+        return loss
+
+    step(fl.tensor(np.arange(4, dtype=np.float32)))
+    np.testing.assert_array_equal(w.grad.numpy(), np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(w.numpy(), np.ones(4, np.float32))
+
+
 def test_in_place_write_into_a_computed_zero_dim_value(reference_backend):
     t = fl.zeros(()).realize()
     t.add_(1)

@@ -8,9 +8,10 @@ from flame import reductions as R
 from flame.amp.autocast_mode import full_precision
 from flame.creation import arange
 from flame.functional import gelu, leaky_relu, relu, sigmoid, silu, softplus, tanh, where
-from flame.indexing import checked_targets, embedding, one_hot
+from flame.indexing import checked_targets, one_hot
 from flame.ir.passes import layouts
 from flame.ir.shapes import ShapeError, prod
+from flame.nn.embedding import embedding
 from flame.nn.group_norm_layouts import _after_channels_last_conv, _group_norm_channels_last
 from flame.tensor import Tensor
 from flame.views import channels_innermost, reshape
@@ -280,6 +281,7 @@ from flame.nn.normalization import batch_norm, instance_norm  # noqa: E402
 from flame.nn.pooling import (  # noqa: E402
     adaptive_avg_pool1d,
     adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
     adaptive_max_pool2d,
     avg_pool1d,
     avg_pool2d,
@@ -293,6 +295,6 @@ __all__ += [
     "multi_head_attention_forward", "scaled_dot_product_attention", "bilinear", "conv1d",
     "conv2d", "conv_transpose1d", "conv_transpose2d", "fold", "linear", "unfold",
     "interpolate", "dropout1d", "dropout2d", "dropout3d", "batch_norm", "instance_norm",
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool1d",
-    "avg_pool2d", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+    "avg_pool1d", "avg_pool2d", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
 ]  # fmt: skip

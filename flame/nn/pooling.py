@@ -1,5 +1,5 @@
 """Pooling and resampling with PyTorch's signatures: ``avg_pool1d/2d``, ``max_pool1d/2d``,
-``adaptive_avg_pool1d/2d``, ``adaptive_max_pool2d``, ``pixel_shuffle``, ``pixel_unshuffle``
+``adaptive_avg_pool1d/2d/3d``, ``adaptive_max_pool2d``, ``pixel_shuffle``, ``pixel_unshuffle``
 and ``interpolate``, written with public FLAME ops (autograd, every backend, fusion).
 
 A window pooling reads one strided view of the padded input per kernel tap and combines the
@@ -18,7 +18,7 @@ import numpy as np
 from flame import reductions as R
 from flame.backend import backend as use_backend
 from flame.creation import tensor as constant
-from flame.functional import maximum, where
+from flame.functional import isnan, maximum, where
 from flame.indexing import index_select
 from flame.ir.shapes import ShapeError
 from flame.joining import stack
@@ -26,11 +26,12 @@ from flame.linalg import matmul
 from flame.nn.convolution import int_tuple, kernel_taps
 from flame.shaping import checked_tensor, shown, user_errors
 from flame.tensor import Tensor
-from flame.views import permute, reshape
+from flame.views import broadcast_to, permute, reshape
 
 __all__ = [
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool1d",
-    "avg_pool2d", "interpolate", "max_pool1d", "max_pool2d", "pixel_shuffle", "pixel_unshuffle",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d",
+    "avg_pool1d", "avg_pool2d", "interpolate", "max_pool1d", "max_pool2d", "pixel_shuffle",
+    "pixel_unshuffle",
 ]  # fmt: skip
 
 
@@ -330,34 +331,59 @@ def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:  # noqa: A002
     return _drop_height(adaptive_avg_pool2d(_unit_height(input), (1, size)))
 
 
-def _adaptive_max_axis(x: Tensor, axis: int, out: int) -> Tensor:
-    """The maxima of the adaptive windows along ``axis``: one gather per window offset;
-    offsets past a window's end are masked to -inf, never a repeated entry (whose gradient
-    would be counted twice)."""
+@user_errors
+def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:  # noqa: A002
+    """Average pooling of input [N, C, D, H, W] (or [C, D, H, W]) into ``output_size``
+    windows: ``adaptive_avg_pool2d`` over each depth slice, then the depth windows averaged
+    by one product with a constant [out, D] matrix (separable, as the windows are)."""
+    out_sizes = _adaptive_sizes("adaptive_avg_pool3d", input, output_size, 3)
+    *lead, depth, height, width = input.shape
+    if out_sizes == (1, 1, 1):
+        return R.mean(input, (-3, -2, -1), keepdim=True)
+    planes = adaptive_avg_pool2d(reshape(input, (-1, depth, height, width)), out_sizes[1:])
+    if out_sizes[0] != depth:
+        precision = np.float64 if planes.dtype.name == "float64" else np.float32
+        averaging = _averaging_matrix(depth, out_sizes[0]).astype(precision)
+        rows = _on_backend_of(planes, averaging).to(planes.dtype)
+        flat = reshape(planes, (planes.shape[0], depth, -1))
+        planes = matmul(rows, flat)
+    return reshape(planes, (*lead, *out_sizes))
+
+
+def _adaptive_max_axis(x: Tensor, at: Tensor, axis: int, out: int) -> tuple[Tensor, Tensor]:
+    """The maxima of the adaptive windows along the negative ``axis``, and their entries of
+    ``at`` (each input's flat position). PyTorch's scan: the first maximum wins and a NaN
+    wins over anything (``val > maxval || isnan(val)``), so the gradient reaches one entry.
+    An offset past a window's end repeats its last entry, which never wins a second time
+    (or, being NaN, replaces itself)."""
     start, end = _adaptive_bounds(x.shape[axis], out)
-    longest = int((end - start).max())
-    shape = [1] * x.ndim
-    shape[axis] = out
-    result = None
-    for offset in range(longest):
-        picks = np.minimum(start + offset, end - 1).astype(np.int64)
-        gathered = index_select(x, axis, _on_backend_of(x, picks))
-        if offset and (start + offset >= end).any():
-            valid = _on_backend_of(x, (start + offset < end).reshape(shape))
-            gathered = where(valid, gathered, _lowest(x))
-        result = gathered if result is None else maximum(result, gathered)
-    return result
+    best, best_at = None, None
+    for offset in range(int((end - start).max())):
+        picks = _on_backend_of(x, np.minimum(start + offset, end - 1).astype(np.int64))
+        value, value_at = index_select(x, axis, picks), index_select(at, axis, picks)
+        if best is None:
+            best, best_at = value, value_at
+            continue
+        wins = value > best
+        if x.dtype.is_float:
+            wins = wins | isnan(value)
+        best, best_at = where(wins, value, best), where(wins, value_at, best_at)
+    return best, best_at
 
 
 @user_errors
-def adaptive_max_pool2d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:  # noqa: A002
-    """Max pooling of input [N, C, H, W] (or [C, H, W]) into ``output_size`` windows
-    (``return_indices`` is not supported yet)."""
-    if return_indices:
-        raise NotImplementedError("adaptive_max_pool2d: return_indices=True is not supported yet")
+def adaptive_max_pool2d(input: Tensor, output_size, return_indices: bool = False):  # noqa: A002
+    """Max pooling of input [N, C, H, W] (or [C, H, W]) into ``output_size`` windows; the
+    gradient goes to the first maximum of each window, as PyTorch's. ``return_indices``:
+    also the int64 flat index (h * W + w) of each maximum in its input plane."""
     out_sizes = _adaptive_sizes("adaptive_max_pool2d", input, output_size, 2)
-    result = _adaptive_max_axis(input, input.ndim - 1, out_sizes[1])
-    return _adaptive_max_axis(result, input.ndim - 2, out_sizes[0])
+    height, width = input.shape[-2:]
+    positions = _on_backend_of(input, np.arange(height * width).reshape(height, width))
+    result, at = _adaptive_max_axis(input, positions, -1, out_sizes[1])
+    result, at = _adaptive_max_axis(result, at, -2, out_sizes[0])
+    if not return_indices:
+        return result
+    return result, broadcast_to(at, result.shape)
 
 
 # --- pixel shuffle -----------------------------------------------------------------------------

@@ -260,14 +260,14 @@ def _embedding_rule(inputs, attrs):
     return weight.dtype, tuple(index.shape) + (weight.shape[1],)
 
 
-def _embedding_ref(index, weight, padding_idx=None):
-    # padding_idx only changes the gradient (that row gets none), never the forward value
+def _embedding_ref(index, weight, padding_idx=None, scale_grad_by_freq=False):
+    # padding_idx and scale_grad_by_freq only change the gradient, never the forward value
     return weight[checked_index("embedding", index, weight.shape[0], 0)]
 
 
 def_op(
     "embedding", "library", 2, ref=_embedding_ref, shape_rule=_embedding_rule,
-    attrs={"padding_idx": None},
+    attrs={"padding_idx": None, "scale_grad_by_freq": False},
     doc="rows of weight named by input (torch.nn.functional.embedding)",
 )  # fmt: skip
 
@@ -412,10 +412,22 @@ def _rows_vjp(F, g, index, table_shape, dtype, wrap):
     return F.reshape(flat, tuple(table_shape))
 
 
-def _embedding_vjp(F, g, out, index, weight, padding_idx=None):
+def _embedding_vjp(F, g, out, index, weight, padding_idx=None, scale_grad_by_freq=False):
     if padding_idx is not None:  # that row gets no gradient, as in PyTorch
         g = F.where(F.unsqueeze(index, -1) == padding_idx, 0.0, g)
+    if scale_grad_by_freq:
+        g = g * F.unsqueeze(_inverse_frequency(F, index, weight.shape[0], g.dtype), -1)
     return (None, _rows_vjp(F, g, index, weight.shape, weight.dtype, wrap=False))
+
+
+def _inverse_frequency(F, index, rows: int, dtype):
+    """1 / (how often each entry of ``index`` occurs in it), shaped like ``index``: PyTorch's
+    ``scale_grad_by_freq`` factor (counted in int64, as its counts are)."""
+    flat = F.reshape(index, (index.numel(),)).to(dtypes.int64)
+    ones = F.where(flat == flat, 1, 0).to(dtypes.int64)
+    counts = F.gather(_scatter_into(F, ones, (rows,), dtypes.int64, 0, flat), 0, flat)
+    precision = dtypes.float64 if dtype is dtypes.float64 else dtypes.float32
+    return F.reshape(1.0 / counts.to(precision), tuple(index.shape)).to(dtype)
 
 
 def _index_tensor_vjp(F, g, out, source, index):

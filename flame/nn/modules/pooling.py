@@ -1,5 +1,5 @@
 """Pooling modules over ``flame.nn.pooling``: ``AvgPool1d/2d``, ``MaxPool1d/2d``,
-``AdaptiveAvgPool1d/2d`` and ``AdaptiveMaxPool2d``, with PyTorch's arguments, attributes
+``AdaptiveAvgPool1d/2d/3d`` and ``AdaptiveMaxPool2d``, with PyTorch's arguments, attributes
 (``stride`` defaults to ``kernel_size``; the 1-d modules keep 1-tuples, as PyTorch's) and
 ``repr``."""
 
@@ -10,8 +10,8 @@ from flame.nn.modules.module import Module
 from flame.tensor import Tensor
 
 __all__ = [
-    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "AvgPool1d", "AvgPool2d",
-    "MaxPool1d", "MaxPool2d",
+    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool2d",
+    "AvgPool1d", "AvgPool2d", "MaxPool1d", "MaxPool2d",
 ]  # fmt: skip
 
 
@@ -135,8 +135,13 @@ class AdaptiveAvgPool2d(_AdaptiveAvgPoolNd):
         return pooling.adaptive_avg_pool2d(input, self.output_size)
 
 
+class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return pooling.adaptive_avg_pool3d(input, self.output_size)
+
+
 class AdaptiveMaxPool2d(Module):
-    """(``return_indices=True`` is refused by the functional op for now.)"""
+    """``return_indices``: ``forward`` gives (maxima, int64 flat indices into H * W)."""
 
     def __init__(self, output_size, return_indices: bool = False) -> None:
         super().__init__()

@@ -1,10 +1,11 @@
 """``Embedding``, as PyTorch's: the same constructor arguments and checks, ``weight``
 [num_embeddings, embedding_dim] drawn from N(0, 1) with the ``padding_idx`` row zeroed,
-``from_pretrained`` and ``repr``.
+``from_pretrained`` and ``repr``. ``max_norm`` renormalises the looked-up rows of the weight
+in place during ``forward`` and ``scale_grad_by_freq`` divides each lookup's gradient by the
+count of its index in the batch, as in PyTorch (``flame.nn.embedding``).
 
-Not supported (refused at construction, with the reason): ``max_norm`` (PyTorch renormalises
-the looked-up rows of the weight in place during ``forward``), ``scale_grad_by_freq`` and
-``sparse=True`` (FLAME's gradients are dense).
+Not supported (refused at construction, with the reason): ``sparse=True`` (FLAME's
+gradients are dense).
 """
 
 from __future__ import annotations
@@ -17,20 +18,6 @@ from flame.nn.parameter import Parameter
 from flame.tensor import Tensor
 
 __all__ = ["Embedding"]
-
-
-def _refuse_unsupported(max_norm, scale_grad_by_freq: bool, sparse: bool) -> None:
-    if max_norm is not None:
-        raise NotImplementedError(
-            f"Embedding: max_norm={max_norm} is not supported (it renormalises the weight's "
-            "rows in place during forward); renormalise the weight yourself"
-        )
-    if scale_grad_by_freq:
-        raise NotImplementedError("Embedding: scale_grad_by_freq=True is not supported")
-    if sparse:
-        raise NotImplementedError(
-            "Embedding: sparse=True is not supported (FLAME's gradients are dense)"
-        )
 
 
 class Embedding(Module):
@@ -57,7 +44,10 @@ class Embedding(Module):
         dtype=None,
     ):
         super().__init__()
-        _refuse_unsupported(max_norm, scale_grad_by_freq, sparse)
+        if sparse:
+            raise NotImplementedError(
+                "Embedding: sparse=True is not supported (FLAME's gradients are dense)"
+            )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         if padding_idx is not None:
@@ -93,7 +83,10 @@ class Embedding(Module):
             init.zeros_(self.weight[self.padding_idx])  # on the weight's backend, no_grad
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (PyTorch's name)
-        return embedding(input, self.weight, self.padding_idx)
+        return embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+            self.scale_grad_by_freq, self.sparse,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         text = "{num_embeddings}, {embedding_dim}"
