@@ -27,8 +27,6 @@ def multi_head_attention_forward(
     average_attn_weights: bool = True, is_causal: bool = False,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """PyTorch's ``_functional().multi_head_attention_forward``: inputs [L, N, E] (or [L, E])."""
-    if static_k is not None or static_v is not None:
-        raise NotImplementedError("multi_head_attention_forward: static_k/static_v")
     is_batched = _shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
     if not is_batched:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -61,13 +59,18 @@ def multi_head_attention_forward(
             raise AssertionError("use_separate_proj_weight is False but in_proj_weight is None")
         q, k, v = _in_projection_packed(query, key, value, in_proj_weight, in_proj_bias)
     attn_mask = _batched_attn_mask(attn_mask, bsz * num_heads, tgt_len, src_len)
+    if bias_k is not None and bias_v is not None:
+        if static_k is not None:
+            raise AssertionError("bias cannot be added to static key.")
+        if static_v is not None:
+            raise AssertionError("bias cannot be added to static value.")
     k, v, attn_mask, key_padding_mask = _extend_keys(
         k, v, attn_mask, key_padding_mask, bias_k, bias_v, add_zero_attn, bsz * num_heads,
         head_dim, False,
     )  # fmt: skip
     q = q.reshape(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
-    k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
-    v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    k = _heads_of("static_k", static_k, k, bsz * num_heads, head_dim)
+    v = _heads_of("static_v", static_v, v, bsz * num_heads, head_dim)
     k, v, attn_mask, key_padding_mask = _extend_keys(
         k, v, attn_mask, key_padding_mask, None, None, add_zero_attn, bsz * num_heads,
         head_dim, True,
@@ -87,6 +90,20 @@ def multi_head_attention_forward(
     output = _attend_fused(q, k, v, attn_mask, dropout_p, is_causal, heads)
     output = linear(output, out_proj_weight, out_proj_bias).reshape(tgt_len, bsz, -1)
     return (output if is_batched else output.squeeze(1)), None
+
+
+def _heads_of(name: str, static, projected: Tensor, heads: int, head_dim: int) -> Tensor:
+    """Keys (or values) by head, [N*H, S, head_dim]: the projection's, or ``static`` (given
+    whole, in place of the projection; PyTorch's checks and messages)."""
+    if static is None:
+        return projected.reshape(projected.shape[0], heads, head_dim).transpose(0, 1)
+    if static.ndim != 3:
+        raise AssertionError(f"expecting {name} of 3 dimensions, but got {static.ndim}")
+    if static.shape[0] != heads:
+        raise AssertionError(f"expecting {name}.size(0) of {heads}, but got {static.shape[0]}")
+    if static.shape[2] != head_dim:
+        raise AssertionError(f"expecting {name}.size(2) of {head_dim}, but got {static.shape[2]}")
+    return static
 
 
 def _attend_with_weights(q, k, v, attn_mask, dropout_p: float, heads):
