@@ -862,7 +862,7 @@ def test_inject_lora_that_refuses_a_layer_leaves_the_model_as_it_was(reference_b
     from flame.nn.modules.conv import Conv2d
 
     model = Sequential(Conv2d(4, 4, 3), Conv2d(4, 4, 3, groups=4))  # the second: depthwise
-    with pytest.raises(NotImplementedError):
-        lora.inject_lora(model, ["0", "1"], rank=2)
+    with pytest.raises(ValueError, match="multiple of the base convolution's groups"):
+        lora.inject_lora(model, ["0", "1"], rank=2)  # rank 2 over 4 groups
     assert type(model[0]) is Conv2d and type(model[1]) is Conv2d
     assert all(param.requires_grad for param in model.parameters())

@@ -159,8 +159,13 @@ class LoRALinear(_LoRA):
 
 class LoRAConv2d(_LoRA):
     """``LoRAConv2d(base, rank=8, alpha=8, dropout=0.0)`` around a 2-d convolution (a module
-    with PyTorch's ``weight`` [out, in, kH, kW], ``stride``, ``padding``, ``dilation``,
-    ``groups=1`` and zero padding)."""
+    with PyTorch's ``weight`` [out, in / groups, kH, kW], ``stride``, ``padding``,
+    ``dilation``, ``groups`` and ``padding_mode``).
+
+    The adapter is ``A``, a convolution like the base's (its stride, padding, padding mode,
+    dilation and groups) to ``rank`` channels, then ``B``, a 1x1 convolution with the same
+    groups: each group's update is ``B_g @ A_g``, so it merges into the grouped base weight.
+    With groups, ``rank`` must be a multiple of them."""
 
     def __init__(self, base: Module, rank: int = 8, alpha: float = 8, dropout: float = 0.0):
         super().__init__(base, rank, alpha, dropout)
@@ -170,25 +175,50 @@ class LoRAConv2d(_LoRA):
                 f"LoRAConv2d: the base weight must be 4-d [out, in, kH, kW], got "
                 f"{list(weight.shape)}"
             )
-        if getattr(base, "groups", 1) != 1:
-            raise NotImplementedError("LoRAConv2d: grouped convolutions (groups > 1)")
-        if getattr(base, "padding_mode", "zeros") != "zeros":
-            raise NotImplementedError(
-                f"LoRAConv2d: padding_mode={base.padding_mode!r} (zeros only)"
+        groups = getattr(base, "groups", 1)
+        if rank % groups:
+            raise ValueError(
+                f"LoRAConv2d: rank must be a multiple of the base convolution's groups, got "
+                f"rank={rank} and groups={groups}"
             )
-        out_channels, in_channels, *kernel = weight.shape
-        self.in_channels, self.out_channels = in_channels, out_channels
+        out_channels, group_channels, *kernel = weight.shape
+        self.in_channels, self.out_channels = group_channels * groups, out_channels
+        self.groups = groups
         self.stride = getattr(base, "stride", 1)
         self.padding = getattr(base, "padding", 0)
         self.dilation = getattr(base, "dilation", 1)
-        self.lora_A = _parameter((rank, in_channels, *kernel), weight, "kaiming")
-        self.lora_B = _parameter((out_channels, rank, 1, 1), weight, "zeros")
+        self.padding_mode = getattr(base, "padding_mode", "zeros")
+        self._pad_widths = None
+        if self.padding_mode != "zeros":  # the input padded as the base pads it
+            from flame.nn.modules.conv import _pad_widths, _pair
+
+            self._pad_widths = getattr(base, "_reversed_padding_repeated_twice", None)
+            if self._pad_widths is None:
+                padding = self.padding if isinstance(self.padding, str) else _pair(self.padding)
+                self._pad_widths = _pad_widths(padding, tuple(kernel), _pair(self.dilation))
+        self.lora_A = _parameter((rank, group_channels, *kernel), weight, "kaiming")
+        self.lora_B = _parameter((out_channels, rank // groups, 1, 1), weight, "zeros")
 
     def _adapter(self, x: Tensor) -> Tensor:
         from flame.nn.convolution import conv2d
+        from flame.nn.functional import pad
 
-        down = conv2d(x, self.lora_A, None, self.stride, self.padding, self.dilation)
-        return conv2d(down, self.lora_B)
+        padding = self.padding
+        if self._pad_widths is not None:
+            x = pad(x, self._pad_widths, mode=self.padding_mode)
+            padding = 0
+        down = conv2d(x, self.lora_A, None, self.stride, padding, self.dilation, self.groups)
+        return conv2d(down, self.lora_B, None, 1, 0, 1, self.groups)
+
+    def delta_weight(self) -> Tensor:
+        """``scale * B_g @ A_g`` of each group, stacked in the base weight's shape."""
+        if self.groups == 1:
+            return super().delta_weight()
+        weight, groups = self.base.weight, self.groups
+        wide = dtypes.float64 if weight.dtype is dtypes.float64 else dtypes.float32
+        lora_a = self.lora_A.detach().to(wide).reshape(groups, self.rank // groups, -1)
+        lora_b = self.lora_B.detach().to(wide).reshape(groups, -1, self.rank // groups)
+        return (lora_b @ lora_a).reshape(weight.shape) * self.scaling
 
 
 # --- whole models -----------------------------------------------------------------------------
