@@ -7,18 +7,22 @@ keys have the same nodes at the same positions, reading the same positions, with
 ops, dtypes and attributes other than sizes, and differ only in sizes. Kept per node:
 
 * op, dtype, rank, and which dimensions are 1 (the broadcast pattern);
-* which earlier node first had the same shape (``shape class``): decisions that group
-  values "of one shape" hold at another size only if the same values still share a shape;
 * attributes, verbatim, except those listed in ``SIZE_ATTRS`` (reshape and expand targets,
-  slice bounds, a transposed convolution's input size), which are replaced by what does not
-  change with sizes: for a reshape, which dimensions of its input and output line up (the
-  positions where their leading products agree: what makes a reshape a strided view); for a
-  slice, per dimension, whether it starts at 0 and ends at the end;
-* a constant's value, unless it is a size: a float made from sizes (``SizeValue``: ``1/n``
-  of a mean) keeps its role, an integer keeps whether it is 0, 1 or another value (a random
-  draw's counter offset is the count of numbers drawn before it);
+  slice bounds, pad widths, a transposed convolution's input size), which are replaced by
+  what does not change with sizes: for a reshape, which dimensions of its input and output
+  line up (the positions where their leading products agree: what makes a reshape a
+  strided view); for a slice, per dimension, whether it starts at 0 and ends at the end;
+  for a pad, which sides it pads; a barrier's token is "a token";
+* a constant's value, unless it is a size: a float made from sizes (a ``sized`` constant:
+  ``1/n`` of a mean) keeps its role, an integer keeps whether it is 0, 1 or another value
+  (a random draw's counter offset is the count of numbers drawn before it);
 * an input's layout as the order of its strides, which are 0, whether it is contiguous and
   whether it is aligned, never the strides themselves.
+
+Computed leaves (constants, ``arange``) are no entries of their own: each reader spells them
+inline (``is_inline``), since CSE merges two leaves whose values coincide at one size only.
+Which shapes are equal is not in the key (sizes coincide at one size and not at another);
+whoever reuses a decision that depends on equal shapes checks them (passes/reuse.py).
 
 An attribute not listed is kept as it is: an unlisted size makes keys differ at two sizes
 (no reuse, never a wrong one). ``first_difference`` names where two graphs' keys part, for

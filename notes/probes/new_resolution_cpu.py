@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
 import os
 import sys
@@ -87,7 +88,7 @@ def sibling_keys(rows: list, done: set) -> set:
 
 
 def record_big_plan(timings: dict) -> None:
-    """The groups, steps and planned peak (MiB) of each call's biggest plan."""
+    """The groups, steps, planned peak (MiB) and grouping hash of each call's biggest plan."""
     from flame.runtime import executor
 
     plan = executor.Executor._plan
@@ -96,10 +97,18 @@ def record_big_plan(timings: dict) -> None:
         result = plan(self, pending, inputs)
         groups = len(result.graph.groups)
         if groups > timings.get("big_plan", {}).get("groups", 0):
+            position = {id(node): index for index, node in enumerate(result.graph.nodes)}
+            members = [
+                (group.kind, *(position.get(id(node), -1) for node in group.nodes), "|",
+                 *(position.get(id(node), -1) for node in group.outputs))
+                for group in result.graph.groups
+            ]  # fmt: skip
             timings["big_plan"] = {
                 "groups": groups,
                 "steps": len(result.launches),
                 "peak_mib": round(result.planned_peak_bytes / 2**20, 1),
+                # the groups by node position: equal for two plans of the same grouping
+                "grouping": hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest(),
             }
         return result
 
