@@ -18,6 +18,8 @@ import importlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flame as fl
 import flame.nn.functional as F
@@ -101,9 +103,10 @@ def run_groups(graph: Graph, inputs: dict) -> list[np.ndarray]:
 
 
 def _readable(node, written) -> bool:
+    """Written, or a view of a written value (a constant a kernel reads is its member)."""
     while id(node) not in written and node.op in MOVEMENT_OPS and node.inputs:
         node = node.inputs[0]
-    return id(node) in written or not node.inputs  # a leaf is computed where it is read
+    return id(node) in written
 
 
 def check_plans(plans) -> None:
@@ -287,6 +290,23 @@ def test_shapes_equal_by_coincidence_refuse_the_grouping(planning):
     assert all(len({out.shape for out in group.outputs}) == 1 for group in groups)
 
 
+def test_constants_equal_at_one_size_only(planning):
+    """At a batch of 3 the noise's counter offset (3 numbers drawn before it) and the
+    literal 3 are one constant node (CSE); at a batch of 2 they are two. The grouping made
+    at 3 computes both constants in its kernel at 2."""
+
+    @fl.compile
+    def step(x):
+        steps = fl.randint(0, 1000, (x.shape[0],))
+        noise = fl.randn((x.shape[0],))
+        return ((x + noise) * (steps + 3).float()).sum()
+
+    check_plans(call(planning, step, np.ones(3, np.float32)))
+    reused = planning.decisions.reused
+    check_plans(call(planning, step, np.ones(2, np.float32)))
+    assert planning.decisions.reused > reused
+
+
 def test_a_structure_change_fuses_in_full(planning):
     """A batch of 1 broadcasts where a larger batch does not: another structure, no reuse."""
     step = _diffusion_step()
@@ -315,3 +335,108 @@ def test_each_executor_owns_its_decisions(tmp_path):
     kernels = KernelCache(DiskCache(tmp_path), arch="sm_90")
     assert Executor(kernels).decisions is not Executor(kernels).decisions
     assert reuse.current() is None  # none outside a pipeline run
+
+
+# --- random programs at two sizes -------------------------------------------------------------
+
+# symbolic shapes of a program over sizes n, m: [n, m], [n, 1], [1, m]
+ROWS, COLUMNS, FULL = "n1", "1m", "nm"
+
+
+def _broadcast(*kinds) -> str:
+    if len(set(kinds)) == 1:
+        return kinds[0]
+    return FULL
+
+
+def _program_step(draw, values):
+    """One step over ``values`` (``(tensor, kind)`` pairs): an elementwise op, a row or
+    column sum or mean (kept as 1), a softmax over rows, a reshape round trip, or work on
+    the transpose."""
+    choices = ["unary", "binary", "sum", "mean", "softmax", "reshape", "transpose"]
+    choice = draw(st.sampled_from(choices))
+    tensor, kind = values[draw(st.integers(0, len(values) - 1))]
+    if choice == "unary":
+        op = draw(st.sampled_from(["exp", "tanh", "neg", "sigmoid"]))
+        return (getattr(fl, op)(tensor.tanh()) if op == "exp" else getattr(fl, op)(tensor)), kind
+    if choice == "binary":
+        other, other_kind = values[draw(st.integers(0, len(values) - 1))]
+        op = draw(st.sampled_from(["add", "mul", "sub"]))
+        return getattr(fl, op)(tensor, other), _broadcast(kind, other_kind)
+    if kind != FULL:
+        return tensor * 1.5, kind
+    if choice in ("sum", "mean"):
+        axis = draw(st.integers(0, 1))
+        return getattr(tensor, choice)(axis, keepdim=True), (COLUMNS if axis == 0 else ROWS)
+    if choice == "softmax":
+        shifted = tensor - tensor.amax(1, keepdim=True)
+        return shifted.exp() / shifted.exp().sum(1, keepdim=True), FULL
+    if choice == "transpose":  # [m, n] in between: [n, m]'s shape where n == m
+        flipped = tensor.T.exp() + tensor.T.sum(0, keepdim=True)
+        return flipped.T, FULL
+    rows, columns = tensor.shape
+    return (tensor.reshape(rows * columns) * 2.0).reshape(rows, columns), FULL
+
+
+def _build(program_draw, sizes):
+    rows, columns = sizes
+    rng = np.random.default_rng(0)
+    values = [
+        (fl.from_numpy(rng.standard_normal((rows, columns)).astype(np.float32)), FULL),
+        (fl.from_numpy(rng.standard_normal((rows, 1)).astype(np.float32)), ROWS),
+        (fl.from_numpy(rng.standard_normal((1, columns)).astype(np.float32)), COLUMNS),
+    ]
+    for _ in range(program_draw.steps):
+        values.append(_program_step(program_draw.draw, values))
+    picks = program_draw.outputs
+    return [values[3 + pick % (len(values) - 3)][0] for pick in picks]
+
+
+class _Replay:
+    """A recorded hypothesis draw, replayed at another size (the same choices)."""
+
+    def __init__(self, data, steps, outputs):
+        self.choices: list = []
+        self.data, self.steps, self.outputs = data, steps, outputs
+        self.replaying = False
+        self.index = 0
+
+    def draw(self, strategy):
+        if self.replaying:
+            value = self.choices[self.index]
+            self.index += 1
+            return value
+        value = self.data.draw(strategy)
+        self.choices.append(value)
+        return value
+
+
+SIZES = [(4, 4), (3, 5), (5, 3), (6, 2), (8, 8), (2, 7)]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.data(), st.integers(2, 9), st.lists(st.integers(0, 20), min_size=1, max_size=3),
+       st.sampled_from(SIZES), st.sampled_from(SIZES))  # fmt: skip
+def test_random_programs_reuse_valid_groupings(data, steps, outputs, first, second):
+    """A random program of broadcasts, row and column reductions, softmaxes and reshapes,
+    planned at one size and then at another with one ``Decisions``: at the second size
+    every group computes from what earlier groups wrote, the values are the graph's, and
+    every group lowers."""
+    from flame.codegen.lower import lower_group
+    from flame.ir.passes import run_pipeline
+    from flame.runtime.executor import _layout_of
+
+    decisions = reuse.Decisions()
+    replay = _Replay(data, steps, outputs)
+    for sizes in (first, second):
+        with fl.backend("cuda"):
+            tensors = _build(replay, sizes)
+        replay.replaying, replay.index = True, 0
+        graph = run_pipeline(Graph(tuple(t.node for t in tensors)), decisions=decisions)
+        inputs = {id(node): reference.input_value(node) for node in graph.nodes if is_input(node)}
+        expected = reference.evaluate(list(graph.outputs), inputs=inputs)
+        for got, want in zip(run_groups(graph, inputs), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        for group in graph.groups:
+            if group.kind != "library":
+                lower_group(group, _layout_of)
