@@ -20,6 +20,7 @@ from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import is_input
 from flame.ir.node import Node
+from flame.ir.passes.reuse import Decisions
 from flame.runtime import events, plan_store, plans, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import target_arch
@@ -76,6 +77,9 @@ class Executor:
         self.plan_misses = 0
         self.plan_disk_hits = 0  # plans loaded from the disk's plan store (plan_store.py)
         self.plan_store = plan_store.PlanStore(self.kernels.disk)
+        # the fusion pass's groupings by graph structure, reused at other sizes (a compiled
+        # step at a new resolution or batch size: flame/ir/passes/reuse.py)
+        self.decisions = Decisions()
         self._warm_up_pending = True
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
         # -> up to WALKS_PER_SITE RecordedWalks, newest first
@@ -307,7 +311,9 @@ class Executor:
         start = time.perf_counter()
         self.siblings.busy()  # background lowering waits until planning is done
         observed = bool(events.active())
-        graph, passes, inputs = planned_graph(pending, inputs, record=observed)
+        graph, passes, inputs = planned_graph(
+            pending, inputs, record=observed, decisions=self.decisions
+        )  # fmt: skip
         slot_of = {id(node): index for index, node in enumerate(inputs)}
         slot_count = len(inputs)
         lowered_groups, rows = [], []

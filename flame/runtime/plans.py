@@ -123,13 +123,14 @@ class Plan(Record, frozen=True):
     arena: object = field(default=None, compare=False, repr=False)
 
 
-def planned_graph(pending: list[Node], inputs: list[Node], record: bool = False):
+def planned_graph(pending: list[Node], inputs: list[Node], record: bool = False, decisions=None):
     """``(graph, passes, inputs)``: the graph a plan runs, over stand-ins of its inputs
-    (``_over_stand_ins``), after the pass pipeline (its records when ``record``), with every
-    group that writes no element split into steps of one empty value each (``is_empty``:
-    no kernel, no library call). Needs no GPU."""
+    (``_over_stand_ins``), after the pass pipeline (its records when ``record``; the fusion
+    decisions of ``decisions`` reused, flame/ir/passes/reuse.py), with every group that
+    writes no element split into steps of one empty value each (``is_empty``: no kernel,
+    no library call). Needs no GPU."""
     pending, inputs = _over_stand_ins(pending, inputs)
-    graph = run_pipeline(Graph(tuple(pending)), record=record)
+    graph = run_pipeline(Graph(tuple(pending)), record=record, decisions=decisions)
     passes = None
     if record:
         graph, passes = graph

@@ -15,7 +15,10 @@ on the GPU, an NVRTC compile or a disk load), with
 - the spec fields that differ from the closest kernel of the same operations loaded before
   (``explain.spec_differences``: the field and where inside it),
 
-and the host seconds of the call: trace, passes, lowering, loads. Run with a warm
+and the host seconds of the call: trace, passes, lowering, loads, and ``fusions``: how many
+fusion-pass calls of the call's plans reused a grouping recorded at an earlier shape,
+were fused in full, or were refused one (flame/ir/passes/reuse.py; ``FLAME_PLAN_REUSE=0``
+for the plans without reuse). Run with a warm
 ``FLAME_CACHE_DIR`` to skip the first shape's NVRTC (a kernel is "new" by key, whatever its
 origin). Sibling size classes (flame/runtime/siblings.py) are not compiled, as in
 first_step_cpu.py, but the row kernels each plan hands them are recorded: for each new kernel
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
 import os
 import sys
@@ -83,6 +87,34 @@ def sibling_keys(rows: list, done: set) -> set:
     return keys
 
 
+def record_big_plan(timings: dict) -> None:
+    """The groups, steps, planned peak (MiB) and grouping hash of each call's biggest plan."""
+    from flame.runtime import executor
+
+    plan = executor.Executor._plan
+
+    def plan_recorded(self, pending, inputs):
+        result = plan(self, pending, inputs)
+        groups = len(result.graph.groups)
+        if groups > timings.get("big_plan", {}).get("groups", 0):
+            position = {id(node): index for index, node in enumerate(result.graph.nodes)}
+            members = [
+                (group.kind, *(position.get(id(node), -1) for node in group.nodes), "|",
+                 *(position.get(id(node), -1) for node in group.outputs))
+                for group in result.graph.groups
+            ]  # fmt: skip
+            timings["big_plan"] = {
+                "groups": groups,
+                "steps": len(result.launches),
+                "peak_mib": round(result.planned_peak_bytes / 2**20, 1),
+                # the groups by node position: equal for two plans of the same grouping
+                "grouping": hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest(),
+            }
+        return result
+
+    executor.Executor._plan = plan_recorded
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in text.split(","):
@@ -111,11 +143,14 @@ def step_at(trainer, image: int, batch: int, timings: dict, loads: list, profile
     import flame as fl
     from bench import diffusion as bd
     from flame.runtime import events
+    from flame.runtime.executor import default_executor
 
     with fl.backend("reference"):
         images, labels = bd.flame_batch(image, batch)
     probe.move_to_cuda()
     timings.clear()
+    decisions = default_executor().decisions
+    before = (decisions.reused, decisions.fused, decisions.refused)
     del loads[:]
     recorded = []
     with fl.backend("cuda"):
@@ -130,6 +165,8 @@ def step_at(trainer, image: int, batch: int, timings: dict, loads: list, profile
             if profile is not None:
                 profile.disable()
         seconds = time.perf_counter() - start
+    after = (decisions.reused, decisions.fused, decisions.refused)
+    timings["fusions"] = dict(zip(("reused", "fused", "refused"), map(int.__sub__, after, before)))
     return seconds, recorded
 
 
@@ -144,7 +181,9 @@ def summary(seconds: float, recorded: list, timings: dict, loads: list) -> dict:
         "load": sum(value for name, value, _ in loads if name == "load_seconds"),
     }
     for key, value in timings.items():
-        if key.startswith("passes.") or key in ("lower", "groups", "nodes", "realizes"):
+        if key.startswith("passes.") or key in (
+            "lower", "groups", "nodes", "realizes", "fusions", "big_plan"
+        ):  # fmt: skip
             result[key] = value
     origins = Counter(data["origin"] for kind, data in recorded if kind == "kernel")
     result["kernel_events"] = dict(origins)
@@ -174,6 +213,7 @@ def main() -> None:
     probe.patch_gpu_away(timings)
     record_loads(loads)
     probe.record_passes(timings)
+    record_big_plan(timings)
     rows: list = []
     record_siblings(rows)
     probe.direct_writes_as_on_gpu(timings)

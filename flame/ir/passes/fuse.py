@@ -30,6 +30,7 @@ import graphlib
 from flame.ir.graph import Graph, Group, is_input
 from flame.ir.node import Node
 from flame.ir.ops import get_op
+from flame.ir.passes import reuse
 from flame.ir.passes.cycles import split_cycles
 from flame.ir.passes.library_views import (
     materialized_reads,
@@ -402,7 +403,18 @@ def _write_extra(grouping, materialized, reasons) -> None:
 def fuse(graph: Graph, saved=()) -> Graph:
     """``saved``: ``(node, reason, anchor)`` triples the save-or-recompute pass chose to
     write (remat.py); ``anchor``, a value the kernel that computes it anyway writes: the
-    saved value joins that kernel when it fits its shape or rows (None: no anchor)."""
+    saved value joins that kernel when it fits its shape or rows (None: no anchor).
+
+    Inside a pipeline run with decisions to reuse (reuse.py), a graph of a structure fused
+    before at other sizes gets that fusion's groups."""
+    run = reuse.current()
+    if run is not None:
+        return run.fuse(graph, saved, fuse_anew)
+    return fuse_anew(graph, saved)
+
+
+def fuse_anew(graph: Graph, saved=()) -> Graph:
+    """``fuse``, deciding every group."""
     views = handed_out(graph)
     materialized, reasons = materialized_values(graph, views)
     homes = {}

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from flame.ir.graph import Graph
+from flame.ir.passes import reuse
 from flame.ir.passes.cse import cse
 from flame.ir.passes.dce import dce
 from flame.ir.passes.fuse import fuse
@@ -15,6 +16,7 @@ from flame.ir.passes.late_reads import late_reads
 from flame.ir.passes.layouts import layouts
 from flame.ir.passes.lift import lift_row_epilogues
 from flame.ir.passes.remat import remat
+from flame.ir.passes.reuse import Decisions
 from flame.ir.passes.simplify import simplify
 from flame.ir.passes.split import split_reductions
 from flame.ir.verify import verify
@@ -40,21 +42,29 @@ class PassRecord:
     graph: Graph
 
 
-def run_pipeline(graph: Graph, record: bool = False, verify_each: bool | None = None):
+def run_pipeline(
+    graph: Graph,
+    record: bool = False,
+    verify_each: bool | None = None,
+    decisions: Decisions | None = None,
+):
     """Run every pass; with ``record`` return ``(graph, [PassRecord, ...])`` for the dump.
 
     ``verify_each`` (default: the ``FLAME_VERIFY`` environment variable) re-checks every node
-    against its op's rule after every pass.
+    against its op's rule after every pass. ``decisions`` (reuse.py) answer the fusions of a
+    graph structure fused before at other sizes, and keep this run's (``FLAME_PLAN_REUSE=0``:
+    neither).
     """
     if verify_each is None:
         verify_each = os.environ.get("FLAME_VERIFY", "") not in ("", "0")
     history = [PassRecord("input", 0.0, graph)] if record else None
-    for step in PIPELINE:
-        start = time.perf_counter()
-        graph = step(graph)
-        elapsed = time.perf_counter() - start
-        if verify_each:
-            verify(graph, after=step.__name__)
-        if record:
-            history.append(PassRecord(step.__name__, elapsed, graph))
+    with reuse.using(decisions):
+        for step in PIPELINE:
+            start = time.perf_counter()
+            graph = step(graph)
+            elapsed = time.perf_counter() - start
+            if verify_each:
+                verify(graph, after=step.__name__)
+            if record:
+                history.append(PassRecord(step.__name__, elapsed, graph))
     return (graph, history) if record else graph
