@@ -30,7 +30,7 @@ def main(model: str = "unet", shapes: str = "32x32:64,64x64:64,48x48:16") -> Non
             inputs = flame_batch(size, int(batch))
             fl.synchronize()
             started = time.perf_counter()
-            loss = trainer.compiled(*inputs)
+            loss, _ = trainer.compiled(*inputs)  # (loss, gradient norm)
             value = float(loss.item())
             seconds = time.perf_counter() - started
             decisions = default_executor().decisions
