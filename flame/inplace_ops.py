@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.backend import backend as use_backend
+from flame.backend import get_backend
 from flame.inplace import (
     _VIEW_OPS,
     InplaceError,
@@ -31,12 +32,13 @@ def _inplace(op: str, compute):
     """``Tensor.<op>(*args)``: ``compute(self, *args)`` written into ``self``."""
 
     def method(self: Tensor, *args, **kwargs) -> Tensor:
-        with use_backend(self.backend):  # values made from scalars live where the tensor does
+        if get_backend() == self.backend:  # the usual case: no context to enter
             value = compute(self, *args, **kwargs)
-            if not isinstance(value, Tensor):
-                from flame.creation import full
-
-                value = full(self.shape, value, dtype=self.dtype)
+        else:
+            with use_backend(self.backend):  # values made from scalars live with the tensor
+                value = compute(self, *args, **kwargs)
+        if not isinstance(value, Tensor):
+            value = _filled(self, value)
         value = _check(self, value, op)
         held = [self.node] + [a.node for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if not _fresh(value.node) or any(value.node is node for node in held):
@@ -48,6 +50,14 @@ def _inplace(op: str, compute):
     method.__name__ = method.__qualname__ = op
     method.__doc__ = f"In-place ``{op[:-1]}``: writes into this tensor (PyTorch's ``{op}``)."
     return method
+
+
+def _filled(self: Tensor, value) -> Tensor:
+    """A scalar result as a tensor shaped and typed like ``self``, on its backend."""
+    from flame.creation import full
+
+    with use_backend(self.backend):
+        return full(self.shape, value, dtype=self.dtype)
 
 
 def _fresh(node: Node) -> bool:
