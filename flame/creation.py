@@ -113,7 +113,8 @@ def full(shape, fill_value, dtype=None) -> Tensor:
 
 @creation
 def zeros(*shape, dtype=dtypes.float32) -> Tensor:
-    return full(normalize_shape(shape, "zeros"), 0, dtype=dtype)
+    # ``full`` itself, not its keyword-argument wrapper: one frame less to the user's line
+    return full.__wrapped__(normalize_shape(shape, "zeros"), 0, dtype=dtype)
 
 
 @creation

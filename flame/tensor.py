@@ -511,13 +511,18 @@ def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
         if not isinstance(value, Tensor):
             raise _with_site(_operand_error(op_name, value), site)
     try:
-        backend_name = _common_backend(op_name, list(inputs))
-        op = get_op(op_name)
-        nodes = tuple(value.node for value in inputs)
+        if len(inputs) == 1:  # the usual case (views, reductions)
+            backend_name = inputs[0].backend
+            nodes = (inputs[0].node,)
+        else:
+            backend_name = _common_backend(op_name, list(inputs))
+            nodes = tuple([value.node for value in inputs])
+        op = OPS.get(op_name) or get_op(op_name)
         dtype, shape = op.shape_rule(nodes, attrs)
     except (ShapeError, TypeError, ValueError, IndexError) as error:
         raise _with_site(error, site) from None
-    node = Node(op_name, nodes, tuple(sorted(attrs.items())), dtype, tuple(shape), site)
+    ordered = tuple(attrs.items()) if len(attrs) < 2 else tuple(sorted(attrs.items()))
+    node = Node(op_name, nodes, ordered, dtype, tuple(shape), site)
     if backend_name == "cuda" and op_name in CUDNN_OPS:
         from flame.runtime.library_cudnn import start_loading
 
