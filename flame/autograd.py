@@ -24,7 +24,7 @@ from flame.compile import current_trace, note_grad_assignment
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir import overwritten
 from flame.ir.node import Node, format_site, toposort, user_site
-from flame.ir.ops import get_op
+from flame.ir.ops import OPS
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
 from flame.tensor import grad_enabled as _grad_enabled
@@ -269,11 +269,12 @@ def _sweep(outputs, seeds, targets, backend: str, order=None) -> dict[int, Tenso
         g = total.get(id(node))
         if g is None or id(node) not in relevant:
             continue
-        g = _run_hooks(node, g)
-        total[id(node)] = g
+        if node.grad_info is not None:
+            g = _run_hooks(node, g)
+            total[id(node)] = g
         if not node.inputs or node.op == "detach":
             continue
-        op = get_op(node.op)
+        op = OPS[node.op]
         if not op.differentiable or op.vjp is None:
             if any(id(child) in relevant for child in node.inputs):
                 raise GradError(f"{node.op} has no gradient rule (built at {_where(node)})")

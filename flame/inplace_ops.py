@@ -21,7 +21,7 @@ from flame.inplace import (
     write_memory,
 )
 from flame.ir import dtypes
-from flame.ir.node import Node, format_site, user_site
+from flame.ir.node import Node, builder_site, format_site, user_site
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor, grad_enabled
 
@@ -68,7 +68,7 @@ def _fresh(node: Node) -> bool:
 def _identity(value: Tensor) -> Tensor:
     """A new node holding ``value`` (so the write never aliases another tensor's node)."""
     node = value.node
-    copy = Node("cast", (node,), (("dtype", node.dtype),), node.dtype, node.shape, user_site())
+    copy = Node("cast", (node,), (("dtype", node.dtype),), node.dtype, node.shape, builder_site())
     return Tensor(copy, value.backend)
 
 

@@ -15,7 +15,14 @@ import numpy as np
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
 from flame.ir.infer import NAN, make_const
-from flame.ir.node import Node, SiteMark, caller_frame, format_site, frame_site, user_site
+from flame.ir.node import (
+    Node,
+    SiteMark,
+    builder_site,
+    caller_frame,
+    format_site,
+    frame_site,
+)
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -400,7 +407,7 @@ def apply(op_name: str, *operands, **attrs) -> Tensor:
     name the op, the operands and the user's line.
     """
     op = OPS.get(op_name) or get_op(op_name)
-    site = user_site()
+    site = builder_site()
     tensors = []
     scalars = []
     for value in operands:
@@ -443,7 +450,7 @@ def _cast(x: Tensor, target: dtypes.DType) -> Tensor:
     without its operand and attribute checks (a step casts every parameter under autocast
     and in the optimizer's float32 arithmetic)."""
     node = x.node
-    made = Node("cast", (node,), (("dtype", target),), target, node.shape, user_site())
+    made = Node("cast", (node,), (("dtype", target),), target, node.shape, builder_site())
     return result(made, x.backend)
 
 
@@ -506,7 +513,7 @@ CUDNN_OPS = frozenset({"conv", "conv_data_grad", "conv_weight_grad", "attention"
 def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
     """Build a movement, reduce or library op over tensors. The op's ``shape_rule`` checks
     the inputs and gives the result type; errors name the op and the user's line."""
-    site = user_site()
+    site = builder_site()
     for value in inputs:
         if not isinstance(value, Tensor):
             raise _with_site(_operand_error(op_name, value), site)

@@ -197,6 +197,16 @@ def user_site() -> Site | None:
     return frame_site(sys._getframe(1), True)
 
 
+def builder_site() -> Site | None:
+    """``user_site()`` for the node a FLAME builder (``apply``, ``apply_op``, ...) makes: the
+    walk starts at the builder's caller, the builder's own frame (FLAME's) never read."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # a builder called from C alone
+        return None
+    return frame_site(frame)
+
+
 class Node:
     """One single-assignment value of the IR.
 
