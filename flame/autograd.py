@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from flame import grad_templates
-from flame.compile import note_grad_assignment
+from flame.compile import current_trace, note_grad_assignment
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir import overwritten
 from flame.ir.node import Node, format_site, toposort, user_site
-from flame.ir.ops import get_op
+from flame.ir.ops import OPS
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor
 from flame.tensor import grad_enabled as _grad_enabled
@@ -175,35 +175,49 @@ def _relevant(order, targets: set[int]) -> set[int]:
     """Nodes on a path to one of ``targets`` (only those need a cotangent)."""
     relevant: set[int] = set()
     for node in order:
-        if id(node) in targets or any(
-            id(child) in relevant for child in node.inputs + _extra_inputs(node)
-        ):
+        if id(node) in targets:
             relevant.add(id(node))
+            continue
+        children = node.inputs if node.op != "checkpoint" else _backward_inputs(node)
+        for child in children:
+            if id(child) in relevant:
+                relevant.add(id(node))
+                break
     return relevant
+
+
+def _backward_inputs(node: Node) -> tuple[Node, ...]:
+    """The values a node's gradient flows to: none behind a detach, a checkpoint's args too."""
+    op = node.op
+    if op == "detach":
+        return ()
+    if op == "checkpoint":
+        return node.inputs + _extra_inputs(node)
+    return node.inputs
 
 
 def _walk(roots) -> list[Node]:
     """Forward nodes from the leaves to ``roots``, through realized values, never into a
     detached one."""
-    return toposort(
-        roots, stop=lambda node: node.op == "detach",
-        children=lambda node: node.inputs + _extra_inputs(node),
-    )  # fmt: skip
+    return toposort(roots, children=_backward_inputs)
 
 
-def cotangents(outputs, seeds, targets, backend: str, templates: bool = True) -> dict[int, Tensor]:
+def cotangents(
+    outputs, seeds, targets, backend: str, templates: bool = True, order=None
+) -> dict[int, Tensor]:
     """Reverse-mode sweep: ``{id(node): cotangent}`` for the ``targets`` (and, when the
     backward rules run, every node on a path from them to ``outputs``).
 
     A forward graph seen before at the same line is not swept again: its backward is made
     from the recorded template (flame/grad_templates.py), the graph the rules built then.
     A backward that reads a value an in-place write changed after the forward used it is
-    refused (PyTorch's version-counter error), naming both lines."""
+    refused (PyTorch's version-counter error), naming both lines. ``order``: ``_walk`` of
+    the outputs, when the caller has it."""
     from flame.amp.autocast_mode import _active
 
     token = _active.set(None)  # backward ops run in the forward's dtypes, as PyTorch's
     try:
-        total = _cotangents(outputs, seeds, targets, backend, templates)
+        total = _cotangents(outputs, seeds, targets, backend, templates, order)
     finally:
         _active.reset(token)
     if overwritten._overwritten:
@@ -217,9 +231,9 @@ def cotangents(outputs, seeds, targets, backend: str, templates: bool = True) ->
     return total
 
 
-def _cotangents(outputs, seeds, targets, backend: str, templates: bool) -> dict[int, Tensor]:
+def _cotangents(outputs, seeds, targets, backend: str, templates: bool, order):
     if not templates:
-        return _sweep(outputs, seeds, targets, backend)
+        return _sweep(outputs, seeds, targets, backend, order)
     roots = [out.node for out in outputs] + [seed.node for seed in seeds]
     key = (user_site(), are_deterministic_algorithms_enabled(), _grad_enabled.get(), backend)
     grads = grad_templates.lookup(key, roots, targets)
@@ -229,8 +243,11 @@ def _cotangents(outputs, seeds, targets, backend: str, templates: bool) -> dict[
             for target, grad in zip(targets, grads)
             if grad is not None
         }  # fmt: skip
-    total = _sweep(outputs, seeds, targets, backend)
-    if grad_templates.worth_recording(key):
+    total = _sweep(outputs, seeds, targets, backend, order)
+    # not while flame.compile traces: the trace runs once per signature, and a retrace (new
+    # sizes) does not match a template recorded over other sizes; the record cost a fifth
+    # of the UNet step's backward
+    if grad_templates.worth_recording(key) and current_trace() is None:
         found = [total.get(id(target)) for target in targets]
         template = grad_templates.record(
             roots, targets, [None if g is None else g.node for g in found]
@@ -239,9 +256,10 @@ def _cotangents(outputs, seeds, targets, backend: str, templates: bool) -> dict[
     return total
 
 
-def _sweep(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:
+def _sweep(outputs, seeds, targets, backend: str, order=None) -> dict[int, Tensor]:
     """The backward rules, run node by node from the outputs back."""
-    order = _walk([out.node for out in outputs])
+    if order is None:
+        order = _walk([out.node for out in outputs])
     relevant = _relevant(order, {id(node) for node in targets})
     total: dict[int, Tensor] = {}
     for out, seed in zip(outputs, seeds):
@@ -251,11 +269,12 @@ def _sweep(outputs, seeds, targets, backend: str) -> dict[int, Tensor]:
         g = total.get(id(node))
         if g is None or id(node) not in relevant:
             continue
-        g = _run_hooks(node, g)
-        total[id(node)] = g
+        if node.grad_info is not None:
+            g = _run_hooks(node, g)
+            total[id(node)] = g
         if not node.inputs or node.op == "detach":
             continue
-        op = get_op(node.op)
+        op = OPS[node.op]
         if not op.differentiable or op.vjp is None:
             if any(id(child) in relevant for child in node.inputs):
                 raise GradError(f"{node.op} has no gradient rule (built at {_where(node)})")
@@ -390,8 +409,10 @@ def _tensor_backward(
 
 def _backward(outputs, seeds, create_graph: bool, inputs) -> None:
     site = format_site(user_site())
+    order = None
     if inputs is None:
-        nodes = [node for node in _walk([out.node for out in outputs]) if node.grad_info]
+        order = _walk([out.node for out in outputs])  # the sweep's too
+        nodes = [node for node in order if node.grad_info]
         owners = [(node, node.grad_info.owner) for node in nodes]
         leaves = [(node, ref()) for node, ref in owners if ref is not None and ref() is not None]
         if not leaves:
@@ -400,7 +421,8 @@ def _backward(outputs, seeds, create_graph: bool, inputs) -> None:
         leaves = [(t.node, t) for t in {id(t): t for t in _tensors(inputs, "inputs")}.values()]
         if not leaves:
             raise GradError(f"backward(): inputs= cannot be empty [at {site}]")
-    total = cotangents(outputs, seeds, [node for node, _ in leaves], outputs[0].backend)
+    targets = [node for node, _ in leaves]
+    total = cotangents(outputs, seeds, targets, outputs[0].backend, order=order)
     for node, owner in leaves:
         g = total.get(id(node))
         if g is None:
@@ -420,8 +442,6 @@ def _compute_now(outputs, grads) -> None:
     the time ``backward()`` returns: a loss read after ``opt.step()`` wrote the weights in
     place (``loss.backward(); opt.step(); loss.item()``) is the loss of the step, not one
     recomputed from the new weights. Inside ``flame.compile`` the program orders the work."""
-    from flame.compile import current_trace
-
     if current_trace() is not None:
         return
     from flame.tensor import realize

@@ -285,7 +285,7 @@ class CompiledFunction:
         outputs = tuple(OutputSpec(node.dtype, node.shape, node.site) for node in computed)
         program = _Program(outputs, sources, plan, **common)
         # one index of who reads what for all the writes' checks (a walk each was quadratic)
-        program.direct = direct_writes(program, Readers(order), inputs, trace)
+        program.direct = direct_writes(program, Readers(order, inputs), inputs, trace)
         if not grads and not trace.written and all(kind != "grad" for kind, _ in sources):
             graphs = None
             if self.cuda_graph is not False and capturable(plan, forced=bool(self.cuda_graph)):

@@ -14,7 +14,7 @@ import numpy as np
 from flame.backend import get_backend
 from flame.ir import dtypes
 from flame.ir.infer import make_const, make_node
-from flame.ir.node import Node, user_site
+from flame.ir.node import Node, builder_site, user_site
 from flame.ir.shapes import normalize_shape
 from flame.runtime.storage import Storage
 from flame.tensor import Tensor
@@ -104,7 +104,7 @@ def from_numpy(array: np.ndarray) -> Tensor:
 def full(shape, fill_value, dtype=None) -> Tensor:
     shape = normalize_shape((shape,), "full")
     target = dtypes.dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
-    site = user_site()
+    site = builder_site()
     node = make_const(fill_value, target, site, round_to_dtype=True)
     if shape:
         node = make_node("expand", (node,), {"shape": shape}, site)
@@ -113,7 +113,8 @@ def full(shape, fill_value, dtype=None) -> Tensor:
 
 @creation
 def zeros(*shape, dtype=dtypes.float32) -> Tensor:
-    return full(normalize_shape(shape, "zeros"), 0, dtype=dtype)
+    # ``full`` itself, not its keyword-argument wrapper: one frame less to the user's line
+    return full.__wrapped__(normalize_shape(shape, "zeros"), 0, dtype=dtype)
 
 
 @creation

@@ -75,6 +75,7 @@ def direct_writes(program, order, inputs, trace) -> tuple:
     for slot, source in enumerate(program.sources):
         inputs_of.setdefault(_memory(source), []).append(slot)
     direct = []
+    written = set()  # the output slots already written straight into a tensor's memory
     for (target, index), (storage, value, _) in zip(program.writes, trace.writes.values()):
         kind, position = program.flat[index]
         array = storage.array
@@ -85,9 +86,13 @@ def direct_writes(program, order, inputs, trace) -> tuple:
         aliased = inputs_of.get(_memory(target), [])
         slot = program.plan.output_slots[position]
         safe = reads_elementwise(order, [inputs[i] for i in aliased], value.shape)
-        if slot in direct:  # one value written into two tensors: the second gets a copy
+        if slot in written:  # one value written into two tensors: the second gets a copy
             safe = False
-        direct.append(slot if safe and writable(program.plan, slot, aliased) else None)
+        if safe and writable(program.plan, slot, aliased):
+            written.add(slot)
+            direct.append(slot)
+        else:
+            direct.append(None)
     return tuple(direct)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flame.compile_trace import current_trace
 from flame.ir import dtypes
 from flame.ir.node import Node, format_site, user_site
 from flame.ir.shapes import ShapeError, broadcast_shapes
@@ -143,8 +144,6 @@ def _can_cast(source: dtypes.DType, target: dtypes.DType) -> bool:
 def write(target: Tensor, value: Tensor, op: str) -> Tensor:
     """Make ``target`` hold ``value`` (checked by ``_check``, and a node built for this write:
     it becomes the target's node)."""
-    from flame.compile import current_trace
-
     trace = current_trace()
     if trace is not None:
         return _write_traced(trace, target, value, op)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from flame.backend import backend as use_backend
+from flame.backend import get_backend
 from flame.inplace import (
     _VIEW_OPS,
     InplaceError,
@@ -20,7 +21,7 @@ from flame.inplace import (
     write_memory,
 )
 from flame.ir import dtypes
-from flame.ir.node import Node, format_site, user_site
+from flame.ir.node import Node, builder_site, format_site, user_site
 from flame.ir.shapes import ShapeError
 from flame.tensor import Tensor, grad_enabled
 
@@ -31,12 +32,13 @@ def _inplace(op: str, compute):
     """``Tensor.<op>(*args)``: ``compute(self, *args)`` written into ``self``."""
 
     def method(self: Tensor, *args, **kwargs) -> Tensor:
-        with use_backend(self.backend):  # values made from scalars live where the tensor does
+        if get_backend() == self.backend:  # the usual case: no context to enter
             value = compute(self, *args, **kwargs)
-            if not isinstance(value, Tensor):
-                from flame.creation import full
-
-                value = full(self.shape, value, dtype=self.dtype)
+        else:
+            with use_backend(self.backend):  # values made from scalars live with the tensor
+                value = compute(self, *args, **kwargs)
+        if not isinstance(value, Tensor):
+            value = _filled(self, value)
         value = _check(self, value, op)
         held = [self.node] + [a.node for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         if not _fresh(value.node) or any(value.node is node for node in held):
@@ -50,6 +52,14 @@ def _inplace(op: str, compute):
     return method
 
 
+def _filled(self: Tensor, value) -> Tensor:
+    """A scalar result as a tensor shaped and typed like ``self``, on its backend."""
+    from flame.creation import full
+
+    with use_backend(self.backend):
+        return full(self.shape, value, dtype=self.dtype)
+
+
 def _fresh(node: Node) -> bool:
     """Whether ``node`` was built by this write (not a value some tensor already holds)."""
     return node.buffer is None and node.op != "buffer" and node.op not in _VIEW_OPS
@@ -58,7 +68,7 @@ def _fresh(node: Node) -> bool:
 def _identity(value: Tensor) -> Tensor:
     """A new node holding ``value`` (so the write never aliases another tensor's node)."""
     node = value.node
-    copy = Node("cast", (node,), (("dtype", node.dtype),), node.dtype, node.shape, user_site())
+    copy = Node("cast", (node,), (("dtype", node.dtype),), node.dtype, node.shape, builder_site())
     return Tensor(copy, value.backend)
 
 

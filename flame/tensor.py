@@ -15,7 +15,14 @@ import numpy as np
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
 from flame.ir.infer import NAN, make_const
-from flame.ir.node import Node, SiteMark, caller_frame, format_site, frame_site, user_site
+from flame.ir.node import (
+    Node,
+    SiteMark,
+    builder_site,
+    caller_frame,
+    format_site,
+    frame_site,
+)
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -138,7 +145,7 @@ class Tensor:
         target = dtypes.dtype(dtype)
         if target is self.dtype:
             return self
-        return apply("cast", self, dtype=target)
+        return _cast(self, target)
 
     def float(self):
         return self.to(dtypes.float32)
@@ -240,9 +247,11 @@ def _fast_unary(op_name: str):
 
 def _fast_binary(op_name: str, reflected: bool = False):
     """``op(a, b)`` built straight into a node in the common cases: one dtype the op takes as
-    it is and equal shapes on one backend, or a float tensor with a Python int/float (an
+    it is on one backend, with equal shapes or one side zero-dimensional (broadcast by an
+    ``expand`` node, as ``apply`` does), or a float tensor with a Python int/float (an
     implicit-broadcast constant). Anything else goes through ``apply``, which promotes,
-    broadcasts and reports errors. ``reflected``: the tensor is the right operand."""
+    broadcasts and reports errors. ``reflected``: the tensor is the right operand.
+    Subclasses (``nn.Parameter``) take the fast path too: ``apply`` treats them alike."""
     op = OPS[op_name]
     accepted = _fast_dtypes(op)
     out_bool = op.out_bool
@@ -251,16 +260,24 @@ def _fast_binary(op_name: str, reflected: bool = False):
     node_type, tensor_type = Node, Tensor  # bound here, as in _fast_unary
 
     def function(x, other):
-        if type(x) is tensor_type:
+        if type(x) is tensor_type or isinstance(x, tensor_type):
             node = x.node
             dtype = node.dtype
             if dtype in accepted:
                 kind = type(other)
-                if kind is tensor_type:
+                shape = node.shape
+                widen = None  # the zero-dimensional side, expanded to the other's shape
+                if kind is tensor_type or isinstance(other, tensor_type):
                     other_node = other.node
-                    if (other_node.dtype is not dtype or other_node.shape != node.shape
-                            or other.backend != x.backend):  # fmt: skip
+                    if other_node.dtype is not dtype or other.backend != x.backend:
                         other_node = None
+                    elif other_node.shape != shape:
+                        if not other_node.shape:
+                            widen = other_node
+                        elif not shape:
+                            widen, shape = node, other_node.shape
+                        else:
+                            other_node = None
                 elif (kind is float or kind is int) and dtype.category == 2:
                     value = float(other)  # one NaN object (infer.canonical_float), inline
                     value = value if value == value else NAN
@@ -276,12 +293,20 @@ def _fast_binary(op_name: str, reflected: bool = False):
                     site = sites.get(frame.f_lasti) if type(sites) is site_mark else None
                     if site is None:
                         site = site_of(frame)
+                    if widen is not None:  # as apply's _lift
+                        wide = node_type(
+                            "expand", (widen,), (("shape", shape),), dtype, shape, site
+                        )
+                        if widen is node:
+                            node = wide
+                        else:
+                            other_node = wide
                     made = new(node_type)  # as in _fast_unary
                     made.op = op_name
                     made.inputs = (other_node, node) if reflected else (node, other_node)
                     made.attrs = ()
                     made.dtype = dtypes.bool_ if out_bool else dtype
-                    made.shape = node.shape
+                    made.shape = shape
                     made.site = site
                     made.buffer = made.grad_info = made._hash = None
                     if grad_on():
@@ -382,7 +407,7 @@ def apply(op_name: str, *operands, **attrs) -> Tensor:
     name the op, the operands and the user's line.
     """
     op = OPS.get(op_name) or get_op(op_name)
-    site = user_site()
+    site = builder_site()
     tensors = []
     scalars = []
     for value in operands:
@@ -418,6 +443,15 @@ def apply(op_name: str, *operands, **attrs) -> Tensor:
     except (ShapeError, TypeError, ValueError) as error:
         raise _with_site(error, site) from None
     return result(Node(op_name, inputs, attrs, dtype, shape, site), backend_name)
+
+
+def _cast(x: Tensor, target: dtypes.DType) -> Tensor:
+    """``apply("cast", x, dtype=target)`` for a known dtype: the node ``apply`` builds,
+    without its operand and attribute checks (a step casts every parameter under autocast
+    and in the optimizer's float32 arithmetic)."""
+    node = x.node
+    made = Node("cast", (node,), (("dtype", target),), target, node.shape, builder_site())
+    return result(made, x.backend)
 
 
 def _with_site(error: Exception, site) -> Exception:
@@ -479,18 +513,23 @@ CUDNN_OPS = frozenset({"conv", "conv_data_grad", "conv_weight_grad", "attention"
 def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
     """Build a movement, reduce or library op over tensors. The op's ``shape_rule`` checks
     the inputs and gives the result type; errors name the op and the user's line."""
-    site = user_site()
+    site = builder_site()
     for value in inputs:
         if not isinstance(value, Tensor):
             raise _with_site(_operand_error(op_name, value), site)
     try:
-        backend_name = _common_backend(op_name, list(inputs))
-        op = get_op(op_name)
-        nodes = tuple(value.node for value in inputs)
+        if len(inputs) == 1:  # the usual case (views, reductions)
+            backend_name = inputs[0].backend
+            nodes = (inputs[0].node,)
+        else:
+            backend_name = _common_backend(op_name, list(inputs))
+            nodes = tuple([value.node for value in inputs])
+        op = OPS.get(op_name) or get_op(op_name)
         dtype, shape = op.shape_rule(nodes, attrs)
     except (ShapeError, TypeError, ValueError, IndexError) as error:
         raise _with_site(error, site) from None
-    node = Node(op_name, nodes, tuple(sorted(attrs.items())), dtype, tuple(shape), site)
+    ordered = tuple(attrs.items()) if len(attrs) < 2 else tuple(sorted(attrs.items()))
+    node = Node(op_name, nodes, ordered, dtype, tuple(shape), site)
     if backend_name == "cuda" and op_name in CUDNN_OPS:
         from flame.runtime.library_cudnn import start_loading
 

@@ -11,6 +11,8 @@ from flame.tensor import Tensor, apply_op
 
 
 def normalize_axis(axis: int, ndim: int, op: str) -> int:
+    if type(axis) is int and 0 <= axis < ndim:  # the usual case
+        return axis
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"{op}: dim must be an int, got {type(axis).__name__}")
     low, high = -max(ndim, 1), max(ndim, 1) - 1

@@ -56,6 +56,19 @@ def test_readers_answer_as_a_walk_of_the_order_does():
     assert True in answers and False in answers  # the graph asks both ways
 
 
+def test_readers_among_the_inputs_answer_as_a_walk_does():
+    """``Readers(order, among)`` indexes the readers of ``among`` only; a value outside it
+    (here: computed nodes and a value nothing reads) is answered by a walk."""
+    order, inputs = _step_graph()
+    shape = (4, 6)
+    readers = Readers(order, inputs)
+    with fl.backend("cuda"):
+        unread = fl.from_numpy(np.zeros((4, 6), np.float32)).node
+    subsets = [[node] for node in inputs] + [list(inputs), [order[-1]], [unread]]
+    for aliased in subsets:
+        assert reads_elementwise(readers, aliased, shape) is _brute_force(order, aliased, shape)
+
+
 def test_readers_walk_the_order_once_for_many_questions():
     order, inputs = _step_graph()
 

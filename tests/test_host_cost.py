@@ -391,3 +391,38 @@ def test_fast_builders_set_every_slot_as_the_constructors_do(xy):
             if slot != "__weakref__":
                 assert getattr(value, slot) is getattr(expected_tensor, slot), slot
         assert node == expected and hash(node) == hash(expected)
+
+
+def _structure(node):
+    """A node's graph as nested tuples: op, attrs, dtype, shape, site, inputs."""
+    inputs = tuple(_structure(child) for child in node.inputs)
+    return (node.op, node.attrs, node.dtype, node.shape, node.site, inputs)
+
+
+def test_fast_paths_build_what_apply_builds(xy):
+    """A 0-d operand of the same dtype (either side, reflected too), a subclass operand and a
+    cast: the fast paths' nodes equal ``apply``'s, sites included."""
+    from flame.nn import Parameter
+    from flame.tensor import apply
+
+    x, y = xy
+    scale = fl.tensor(np.float32(2.5)).realize()
+    weight = Parameter(fl.tensor(np.ones(4, dtype=np.float32)))
+    cases = [
+        (lambda: x * scale, lambda: apply("mul", x, scale)),
+        (lambda: scale * x, lambda: apply("mul", scale, x)),
+        (lambda: x - scale, lambda: apply("sub", x, scale)),
+        (lambda: scale / x, lambda: apply("div", scale, x)),
+        (lambda: x < scale, lambda: apply("lt", x, scale)),
+        (lambda: weight * y, lambda: apply("mul", weight, y)),
+        (lambda: y - weight, lambda: apply("sub", y, weight)),
+        (lambda: weight * scale, lambda: apply("mul", weight, scale)),
+        (lambda: x.to(fl.bfloat16), lambda: apply("cast", x, dtype=fl.bfloat16)),
+    ]
+    for fast, general in cases:
+        built, expected = fast(), general()
+        assert _structure(built.node) == _structure(expected.node)  # both at the case's line
+        assert built.node.site[0] == __file__
+        assert type(built) is fl.Tensor
+    with fl.no_grad():
+        assert (x * scale).node.op == "detach"

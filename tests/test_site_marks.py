@@ -199,3 +199,62 @@ def test_a_closed_caller_frame_falls_back_to_getframe(x, monkeypatch):
     here = _line()
     assert multiply(x, x).node.site == (__file__, here + 1)
     assert hyperbolic(x).node.site == (__file__, here + 2)
+
+
+def _flame_module(source: str) -> dict:
+    """``source`` run as if it were a module of FLAME (its frames count as FLAME's own)."""
+    from flame.ir.node import FLAME_DIR
+
+    namespace: dict = {}
+    exec(
+        compile(textwrap.dedent(source), os.path.join(FLAME_DIR, "_test_held.py"), "exec"),
+        namespace,
+    )
+    return namespace
+
+
+def test_ops_built_deep_in_flame_get_the_line_that_called_in(x):
+    """The walk out of FLAME leaves the site in a running FLAME frame (``HeldSite``): later
+    ops of that frame, and of frames it calls, stop there, and a new call from another line
+    gets that line."""
+    module = _flame_module(
+        """
+        import flame as fl
+
+        def rule(value):
+            return fl.tanh(value) * 2.0
+
+        def loop(value, count):
+            return [rule(value) for _ in range(count)]
+
+        def outer(value, count):
+            return loop(value, count)
+        """
+    )
+    first, line = module["outer"](x, 4), _line()
+    second, other = module["outer"](x, 3), _line()
+    assert {t.node.site for t in first} == {(__file__, line)}
+    assert {t.node.site for t in second} == {(__file__, other)}
+    assert {t.node.inputs[0].site for t in first} == {(__file__, line)}  # the tanh's
+
+
+def test_a_flame_generator_never_holds_a_site(x):
+    """A generator's caller changes from one resumption to the next: each op gets the line
+    that resumed it."""
+    module = _flame_module(
+        """
+        import flame as fl
+
+        def build(value):
+            return fl.tanh(value)
+
+        def steps(value):
+            while True:
+                yield build(value)
+        """
+    )
+    steps = module["steps"](x)
+    first, line = next(steps), _line()
+    second, other = next(steps), _line()
+    assert first.node.site == (__file__, line)
+    assert second.node.site == (__file__, other)

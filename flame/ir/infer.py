@@ -95,7 +95,9 @@ def make_const(value, dtype: dtypes.DType, site=None, round_to_dtype: bool = Fal
 
     sized = value.role if isinstance(value, SizeValue) and dtype.is_float else None
     if dtype.is_float:
-        value = canonical_float(float(dtype.numpy.type(value)) if round_to_dtype else float(value))
+        if round_to_dtype and not (type(value) is int and -256 <= value <= 256):
+            value = float(dtype.numpy.type(value))  # small ints are exact in every float type
+        value = canonical_float(float(value))
     elif dtype.is_bool:
         value = bool(value)
     else:

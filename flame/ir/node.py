@@ -12,6 +12,7 @@ reachable from the nodes a tensor holds.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any
@@ -55,12 +56,41 @@ class SiteMark(dict):
     started later that finds it calls it: it returns None (no line events for this frame),
     which is what a frame that started untraced gets anyway."""
 
-    __slots__ = ("code", "in_flame")
+    __slots__ = ("code", "in_flame", "holds", "held")
 
     def __init__(self, code):
         super().__init__()
         self.code = code
+        self.held: dict[int, HeldSite] = {}  # offset -> the site as FLAME frames hold it
         self.in_flame = code.co_filename.startswith(FLAME_DIR)
+        # a FLAME frame that can hold its user's site (``HeldSite``): not a generator's or
+        # coroutine's, whose caller changes from one resumption to the next
+        self.holds = self.in_flame and not code.co_flags & _RESUMABLE
+
+    def __call__(self, frame, event, arg):
+        return None
+
+
+_RESUMABLE = (
+    inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)  # fmt: skip
+
+
+class HeldSite:
+    """The user's site of a running FLAME frame, left in the frame's ``f_trace`` by
+    ``frame_site``: the user frame above a running frame waits at one call until the frame
+    returns, so the site stays right for the frame's whole run, and the frames an op walks
+    out through (an optimizer's rule, its loop, ``step()``) are walked once per call, not
+    once per op. The frame's next ops stop at it. Kept by the frame itself: it ends with the
+    run, and a new call of the same code starts without one. Set, like ``SiteMark``, only
+    where no tracer is active and the frame has no trace function; a tracer started later
+    that calls it gets None."""
+
+    __slots__ = ("site",)
+
+    def __init__(self, site):
+        self.site = site
 
     def __call__(self, frame, event, arg):
         return None
@@ -82,18 +112,33 @@ def _code_sites(code) -> SiteMark:
     return sites
 
 
-def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettrace):
+def frame_site(
+    frame, builder=False, _get=_sites.get, _id=id, _mark=SiteMark, _held=HeldSite,
+    _tracer=sys.gettrace,
+):  # fmt: skip
     """The site of ``frame`` if it is the user's (outside FLAME), else of the first user frame
     below it: ``user_site`` from a known frame, for the graph-building fast paths. (Names are
     bound as defaults: a hot path.) None without a Python frame (a builder run by C code
-    alone)."""
+    alone).
+
+    A walk through two or more FLAME frames leaves the site in the outermost (``HeldSite``),
+    the longest-lived: after a few ops a deep caller (an optimizer's loop, the backward
+    sweep) is walked out of in a step or two. ``builder``: ``frame`` is a builder's (``apply``
+    builds one node and returns), not counted."""
     if frame is None:
         return None
+    outer = None  # the outermost FLAME frame passed that can hold the site
+    passed = 0
+    skip = frame if builder else None
     while True:
         trace = frame.f_trace
         if type(trace) is _mark:
             sites = trace  # a user frame seen before: its code's sites, without f_code
             break
+        if type(trace) is _held:  # a FLAME frame that an earlier op walked out of
+            if passed > 1 and _tracer() is None:
+                outer.f_trace = trace
+            return trace.site
         code = frame.f_code
         sites = _get(_id(code))
         if sites is None or sites.code is not code:
@@ -102,6 +147,9 @@ def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettr
             if trace is None and _tracer() is None:
                 frame.f_trace = sites
             break
+        if trace is None and sites.holds and frame is not skip:
+            outer = frame
+            passed += 1
         frame = frame.f_back  # FLAME's own code: walk out to the user's
         if frame is None:
             return None
@@ -109,6 +157,11 @@ def frame_site(frame, _get=_sites.get, _id=id, _mark=SiteMark, _tracer=sys.gettr
     site = sites.get(offset)
     if site is None:
         site = sites[offset] = (sites.code.co_filename, frame.f_lineno)
+    if passed > 1 and _tracer() is None:
+        held = sites.held.get(offset)
+        if held is None:
+            held = sites.held[offset] = _held(site)
+        outer.f_trace = held
     return site
 
 
@@ -141,7 +194,17 @@ caller_frame = _start_callers()
 
 def user_site() -> Site | None:
     """(filename, line) of the first frame outside FLAME: the user's line."""
-    return frame_site(sys._getframe(1))
+    return frame_site(sys._getframe(1), True)
+
+
+def builder_site() -> Site | None:
+    """``user_site()`` for the node a FLAME builder (``apply``, ``apply_op``, ...) makes: the
+    walk starts at the builder's caller, the builder's own frame (FLAME's) never read."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # a builder called from C alone
+        return None
+    return frame_site(frame)
 
 
 class Node:

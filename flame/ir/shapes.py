@@ -12,8 +12,17 @@ class ShapeError(ValueError, RuntimeError):
 
 def normalize_shape(sizes, op: str = "shape") -> tuple[int, ...]:
     """Accept ``f(2, 3)``, ``f((2, 3))`` or ``f([2, 3])`` and return a tuple of ints."""
-    if len(sizes) == 1 and isinstance(sizes[0], Iterable) and not isinstance(sizes[0], str):
-        sizes = tuple(sizes[0])
+    if len(sizes) == 1:
+        first = sizes[0]
+        if type(first) is tuple or type(first) is list:  # the usual case, without the ABC
+            sizes = tuple(first)
+        elif isinstance(first, Iterable) and not isinstance(first, str):
+            sizes = tuple(first)
+    for size in sizes:  # the usual case: plain non-negative ints, returned as they are
+        if type(size) is not int or size < 0:
+            break
+    else:
+        return tuple(sizes)
     result = []
     for size in sizes:
         if isinstance(size, bool) or not hasattr(size, "__index__"):
@@ -30,6 +39,9 @@ def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
     first = shapes[0]
     if all(shape == first for shape in shapes):
         return first
+    longest = max(shapes, key=len)
+    if all(shape == longest or not shape for shape in shapes):  # 0-d operands: the usual case
+        return longest
     rank = max(len(shape) for shape in shapes)
     result = []
     for axis in range(rank):

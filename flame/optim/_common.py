@@ -13,9 +13,11 @@ from flame.tensor import Tensor
 
 def zeros_state(param: Tensor) -> Tensor:
     """A realized buffer of zeros shaped and typed like ``param``, on its backend."""
-    from flame.backend import backend
+    from flame.backend import backend, get_backend
     from flame.creation import zeros
 
+    if get_backend() == param.backend:  # the usual case: no context to enter
+        return zeros(param.shape, dtype=param.dtype).realize()
     with backend(param.backend):
         return zeros(param.shape, dtype=param.dtype).realize()
 

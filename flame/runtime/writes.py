@@ -12,23 +12,46 @@ class Readers:
     """The nodes of an ``order`` that read each value, indexed once: a compiled program asks
     ``reads_elementwise`` once per in-place write (a training step: one per parameter and
     optimizer state, ~1200 for the diffusion UNet), and each walk of the whole order made the
-    first step quadratic (44.6 s of the H100's first UNet step)."""
+    first step quadratic (44.6 s of the H100's first UNet step).
 
-    __slots__ = ("order", "_of")
+    ``among``: the only values asked about, when known (a program's inputs): the index then
+    holds their readers alone (the UNet step's order has ~35 k nodes, its inputs ~2 k). A
+    value outside them is answered by a walk of the order."""
 
-    def __init__(self, order):
+    __slots__ = ("order", "_among", "_of")
+
+    def __init__(self, order, among=None):
         self.order = order
+        self._among = None if among is None else {id(node) for node in among}
         self._of: dict[int, list[Node]] | None = None
 
     def of(self, node: Node) -> list[Node]:
         """The members of the order that read ``node`` (a member reading it twice: twice)."""
+        among = self._among
+        if among is not None and id(node) not in among:
+            return [member for member in self.order for child in member.inputs if child is node]
         if self._of is None:
-            index: dict[int, list[Node]] = {}
-            for member in self.order:
-                for child in member.inputs:
-                    index.setdefault(id(child), []).append(member)
-            self._of = index
+            self._of = _index_readers(self.order, among)
         return self._of.get(id(node), ())
+
+
+def _index_readers(order, among) -> dict[int, list[Node]]:
+    """id(value) -> the members of ``order`` that read it, for the values of ``among`` (ids;
+    None: every value)."""
+    if among is None:
+        index: dict[int, list[Node]] = {}
+        for member in order:
+            for child in member.inputs:
+                index.setdefault(id(child), []).append(member)
+        return index
+    index = {key: [] for key in among}
+    get = index.get
+    for member in order:
+        for child in member.inputs:
+            readers = get(id(child))
+            if readers is not None:
+                readers.append(member)
+    return index
 
 
 def reads_elementwise(order, aliased: list[Node], shape) -> bool:
