@@ -270,7 +270,7 @@ class GraphCache:
                 except Exception as error:  # noqa: BLE001  a routine that cannot be captured
                     message = f"{type(error).__name__}: {error}"
                     self.info.graph_failures.append(message)
-                    if "StreamCaptureInvalidated" in message and not self.retried:
+                    if _spoiled_from_outside(error) and not self.retried:
                         # another thread's CUDA call can spoil a capture: once, try again
                         # at the next call (this one runs step by step)
                         self.retried = True
@@ -450,6 +450,19 @@ def one_kernel_replay(plan, sources, output, executor, arity: int, key=None):
         )
         entry = one_kernel_runner(plan, header, storages, finish, namespace)
     return run, entry
+
+
+def _spoiled_from_outside(error: BaseException | None) -> bool:
+    """A capture whose every error says it was invalidated: another thread's CUDA call spoiled
+    it (its later launches fail so, and ending it raises so). A step of its own that a
+    capture refuses (a synchronization, say) raises its own error first, and ending the
+    capture then raises the invalidation with that error as its context."""
+    seen = 0
+    while error is not None and seen < 8:
+        if "StreamCaptureInvalidated" not in str(error):
+            return False
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return seen > 0
 
 
 def release_graphs_of(group: str) -> int:

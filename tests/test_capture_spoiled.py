@@ -36,12 +36,19 @@ def test_finish_without_a_thread_returns(monkeypatch):
 
 
 class _Failing(GraphCache):
-    def __init__(self, errors):
+    """Captures that fail as a CUDA capture does: a step's own error (``own``) raised inside,
+    then ending the capture raises the invalidation with that error as its context."""
+
+    def __init__(self, errors, own=None):
         super().__init__(SimpleNamespace(), SimpleNamespace(graph_failures=[]))
-        self.errors = list(errors)
+        self.errors, self.own = list(errors), own
 
     def _capture(self, arrays, targets=None):
-        raise RuntimeError(self.errors.pop(0))
+        try:
+            if self.own is not None:
+                raise RuntimeError(self.own)
+        finally:
+            raise RuntimeError(self.errors.pop(0))
 
 
 ARRAYS = [SimpleNamespace(data=SimpleNamespace(ptr=4096))]
@@ -58,3 +65,16 @@ def test_a_spoiled_capture_is_tried_again_once():
 def test_other_capture_failures_are_final():
     cache = _Failing(["cudaErrorStreamCaptureUnsupported: not permitted"])
     assert cache.run(ARRAYS, ()) is None and "Unsupported" in cache.failed
+
+
+def test_a_capture_its_own_step_spoiled_is_final():
+    """A step that synchronizes under the capture: the invalidation comes with the step's
+    error as its context, and is not tried again."""
+    cache = _Failing([SPOILED], own="cudaErrorStreamCaptureUnsupported: synchronize")
+    assert cache.run(ARRAYS, ()) is None and SPOILED in cache.failed
+
+
+def test_a_capture_spoiled_before_its_launches_is_tried_again():
+    """Spoiled from outside mid-capture: its next launch fails as invalidated too."""
+    cache = _Failing([SPOILED, SPOILED], own="launch: " + SPOILED)
+    assert cache.run(ARRAYS, ()) is None and cache.failed is None
