@@ -14,32 +14,36 @@ from flame.tensor import Tensor, grad_enabled
 
 
 def _bundle(tensors: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    """One fresh node holding ``tensors``, and each tensor read back out of it."""
+    """One fresh node holding ``tensors``, and each tensor read back out of it. Tensors of
+    different dtypes are joined in their promoted dtype (bfloat16 and float16 in float32):
+    each is read back in its own dtype, exactly, and its gradient passes through the wider
+    one unchanged."""
     from flame.joining import cat
 
     if len(tensors) == 1:
         joined = tensors[0] * 1
         return joined, [joined]
-    dtype = tensors[0].dtype
-    if any(t.dtype is not dtype for t in tensors):
-        shown = ", ".join(t.dtype.name for t in tensors)
-        raise NotImplementedError(
-            f"full backward hooks on a module whose tensors have different dtypes ({shown})"
-        )
-    joined = cat([t.reshape(-1) for t in tensors])
-    parts, start = [], 0
-    for t in tensors:
-        parts.append(joined[start : start + t.numel()].reshape(t.shape))
-        start += t.numel()
-    return joined, parts
+    wide = _joined_dtype(tensors)
+    joined = cat([t.to(wide).reshape(-1) for t in tensors])
+    return joined, _split(joined, tensors)
+
+
+def _joined_dtype(tensors: list[Tensor]):
+    from flame.ir.dtypes import promote
+
+    wide = tensors[0].dtype
+    for t in tensors[1:]:
+        wide = promote(wide, t.dtype)
+    return wide
 
 
 def _split(g: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """``g`` (a bundle or its gradient) cut into ``like``'s shapes and dtypes."""
     if len(like) == 1:
         return [g]
     parts, start = [], 0
     for t in like:
-        parts.append(g[start : start + t.numel()].reshape(t.shape))
+        parts.append(g[start : start + t.numel()].reshape(t.shape).to(t.dtype))
         start += t.numel()
     return parts
 
