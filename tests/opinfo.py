@@ -238,6 +238,35 @@ def expected_dtypes(op: OpDef, operands, attrs) -> tuple[str, str] | None:
 # --- lowering and compiling ----------------------------------------------------------------
 
 
+def assert_user_error(call, error, words, at: str | None = None) -> None:
+    """``call()`` raises ``error`` whose message holds every one of ``words`` (the op, the
+    shapes, the argument) and, given ``at``, the user's file it was raised at."""
+    with pytest.raises(error) as raised:
+        call()
+    message = str(raised.value)
+    for word in words:
+        assert word in message, (word, message)
+    if at is not None:
+        assert at in message, (at, message)
+
+
+def assert_compiled_matches_lazy(op, x, seed, rtol=1e-6, atol=1e-6) -> None:
+    """``op(x)`` and the gradient of ``sum(op(x) * seed)`` for ``x`` (which requires grad):
+    the same under ``fl.compile`` as run lazily."""
+
+    def step(x):
+        out = op(x)
+        (out * seed).sum().backward()
+        return out
+
+    compiled = fl.compile(step)(x)
+    compiled_grad = x.grad.numpy()
+    x.grad = None
+    lazy = step(x)
+    np.testing.assert_allclose(compiled.numpy(), lazy.numpy(), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(compiled_grad, x.grad.numpy(), rtol=rtol, atol=atol)
+
+
 def compile_groups(nodes, arch: str = "sm_90"):
     """Run the passes over the graph of ``nodes``, lower every fused group, render it and
     compile it with NVRTC. Returns ``(processed graph, [(spec, source, cubin), ...])``."""
