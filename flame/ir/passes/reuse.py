@@ -287,14 +287,23 @@ def _signature(members) -> tuple:
     the row keys' (input shape and per-row shapes) of the reductions among both, each
     numbered by its first appearance. Fusion groups values by equal shapes and row keys; a
     grouping made where two of these were equal is another kernel where they are not. (The
-    graph's inputs are read through views of any shape: not counted.)"""
+    graph's inputs are read through views of any shape: not counted. Nor is what a kernel
+    of elementwise ops loads through a permute, a slice, a reshape or an expand: that load
+    is an index map of any shape, and the value stays in memory whatever its shape: a
+    transposing copy of a square matrix at one size is the same kernel at another.)"""
     numbers: dict[tuple, int] = {}
     member_ids = {id(node) for node in members}
+    loads_through_views = all(
+        get_op(node.op).kind in ("elementwise", "movement") for node in members
+        if not is_inline(node)
+    )  # fmt: skip
     found = []
     for node in members:
         if is_inline(node):
             continue  # a constant or an arange: any shape is computed where it is read
         found.append(numbers.setdefault(node.shape, len(numbers)))
+        if loads_through_views and get_op(node.op).kind == "movement":
+            continue
         for child in node.inputs:
             if id(child) not in member_ids and not is_inline(child) and not is_input(child):
                 found.append(numbers.setdefault(child.shape, len(numbers)))

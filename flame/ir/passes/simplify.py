@@ -333,6 +333,27 @@ def _transposed_product(node: Node, uses) -> Node | None:
     return make_node("matmul", operands, dict(product.attrs), site)
 
 
+def _row_reads(graph: Graph) -> set[int]:
+    """The values a reduction reads as its rows: its input, and what that computes from
+    elementwise over the same shape (a cast, ``x - mean``), up to the first value that is
+    not elementwise. Only a reshape among these is copied onto rows read across memory
+    (``_copied_input``): a reshape elsewhere whose shape merely equals some reduction's rows
+    (a square attention product at one image size) stays a view."""
+    found: set[int] = set()
+    for node in graph.nodes:
+        if get_op(node.op).kind != "reduce":
+            continue
+        shape, stack = node.inputs[0].shape, [node.inputs[0]]
+        while stack:
+            value = stack.pop()
+            if id(value) in found or value.shape != shape:
+                continue
+            found.add(id(value))
+            if get_op(value.op).kind == "elementwise":
+                stack.extend(value.inputs)
+    return found
+
+
 def _same(first: Node, second: Node) -> bool:
     return (
         first.op == second.op and first.attrs == second.attrs
@@ -343,6 +364,7 @@ def _same(first: Node, second: Node) -> bool:
 
 def simplify(graph: Graph) -> Graph:
     rows = row_shapes(graph)
+    row_reads = _row_reads(graph)
     # values that will be in memory whatever else happens: the outputs, and (added as they
     # are rewritten) the values library calls read, directly or through views
     outputs = {id(node) for node in graph.outputs}
@@ -355,14 +377,14 @@ def simplify(graph: Graph) -> Graph:
                     child = child.inputs[0]
                 library_reads.add(id(child))
 
-    def visit(node: Node) -> Node:
+    def visit(node: Node, on_rows: frozenset) -> Node:
         while True:
             kind = get_op(node.op).kind
             replacement = None
             if kind == "elementwise":
                 replacement = _fold(node)
             elif kind == "movement":
-                replacement = _identity_movement(node, keep, rows, shared)
+                replacement = _identity_movement(node, keep, on_rows, shared)
             elif node.op == "cat":
                 replacement = _cat_of_permutes(node)
             if replacement is None:
@@ -386,7 +408,8 @@ def simplify(graph: Graph) -> Graph:
         rebuilt = with_inputs(node, tuple(mapped[id(child)] for child in node.inputs))
         # the product rule sees only a permute built on the product itself (one the visit
         # composes there may be the product's second reader)
-        result = _transposed_product(rebuilt, uses) or visit(rebuilt)
+        on_rows = rows if id(node) in row_reads else frozenset()
+        result = _transposed_product(rebuilt, uses) or visit(rebuilt, on_rows)
         mapped[id(node)] = result
         count = readers.get(id(node), 0) + (id(node) in outputs)
         uses[id(result)] = uses.get(id(result), 0) + count
