@@ -3,7 +3,10 @@ wall time of the main thread in FLAME's parts: each part's own time (time inside
 parts counted once, in the innermost), plus the step's total. Run once to fill an empty
 cache, then again for the warm-disk figures (same FLAME_CACHE_DIR).
 
-    FLAME_CACHE_DIR=DIR python3 notes/probes/warm_step_parts.py [SIZE BATCH]
+    FLAME_CACHE_DIR=DIR python3 notes/probes/warm_step_parts.py [SIZE BATCH [SIZE2 BATCH2]]
+
+With SIZE2 BATCH2, the same parts of the next call at that image size and batch (a new
+resolution's first step in a process that has stepped at SIZE BATCH), as a second line.
 """
 
 import functools
@@ -45,7 +48,7 @@ def timed(owner, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def main(size: int = 32, batch: int = 64) -> None:
+def main(size: int = 32, batch: int = 64, size2: int = 0, batch2: int = 0) -> None:
     import importlib
 
     import cupy
@@ -67,20 +70,36 @@ def main(size: int = 32, batch: int = 64) -> None:
     with fl.backend("cuda"):
         cupy.cuda.runtime.free(0)
         trainer = flame_trainer(("unet", "full", size, batch))
-        inputs = flame_batch(size, batch)
-        fl.synchronize()
-        TOTALS.clear()
-        started = time.perf_counter()
-        trainer.compiled(*inputs)
-        fl.synchronize()
-        total = time.perf_counter() - started
-    ranked = sorted(TOTALS.items(), key=lambda item: -item[1][0])
-    parts = {k: [round(v[0] * 1e3, 1), v[1]] for k, v in ranked}
-    attributed = sum(v[0] for v in TOTALS.values())
-    print(json.dumps({"first_step_ms": round(total * 1e3, 1), "parts_ms_calls": parts,
-                      "unattributed_ms": round((total - attributed) * 1e3, 1),
-                      "cudnn_plans": library_cudnn.plan_counts()},
-                     ))  # fmt: skip
+        calls = [("first_step_ms", size, batch)]
+        if size2:
+            calls.append(("new_resolution_ms", size2, batch2))
+        for label, side, count in calls:
+            inputs = flame_batch(side, count)
+            fl.synchronize()
+            TOTALS.clear()
+            info = trainer.compiled.cache_info()
+            seen = len(info.kernels)
+            started = time.perf_counter()
+            trainer.compiled(*inputs)
+            fl.synchronize()
+            total = time.perf_counter() - started
+            ranked = sorted(TOTALS.items(), key=lambda item: -item[1][0])
+            parts = {k: [round(v[0] * 1e3, 1), v[1]] for k, v in ranked}
+            attributed = sum(v[0] for v in TOTALS.values())
+            print(json.dumps({label: round(total * 1e3, 1), "shape": f"{side}x{side} b{count}",
+                              "parts_ms_calls": parts,
+                              "unattributed_ms": round((total - attributed) * 1e3, 1),
+                              "kernel_origins": _origins(info.kernels[seen:]),
+                              "cudnn_plans": library_cudnn.plan_counts()},
+                             ), flush=True)  # fmt: skip
+
+
+def _origins(kernels: list) -> dict:
+    """How many kernels the call compiled with NVRTC or read from the disk cache."""
+    found: dict[str, int] = {}
+    for entry in kernels:
+        found[entry["origin"]] = found.get(entry["origin"], 0) + 1
+    return found
 
 
 if __name__ == "__main__":
