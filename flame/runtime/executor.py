@@ -25,6 +25,7 @@ from flame.runtime import events, plan_store, plans, warmup
 from flame.runtime.compiler import KernelCache, default_kernel_cache
 from flame.runtime.device import target_arch
 from flame.runtime.empty_values import is_empty
+from flame.runtime.fusion_store import FusionStore
 from flame.runtime.launch import Launch
 
 # the plan's records and GPU-free planning (flame/runtime/plans.py), every name importable
@@ -80,6 +81,7 @@ class Executor:
         # the fusion pass's groupings by graph structure, reused at other sizes (a compiled
         # step at a new resolution or batch size: flame/ir/passes/reuse.py)
         self.decisions = Decisions()
+        self.decisions.store = FusionStore(self.kernels.disk)
         self._warm_up_pending = True
         # lazy mode's recorded walks: (root op, user line, shape, dtype, deterministic mode)
         # -> up to WALKS_PER_SITE RecordedWalks, newest first

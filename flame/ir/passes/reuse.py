@@ -26,6 +26,10 @@ What lowering decides from sizes (size classes, vector widths) is decided there 
 
 The cache is owned by its executor (``Executor.decisions``) and made current for one
 pipeline run (``run_pipeline(..., decisions=)``); ``FLAME_PLAN_REUSE=0`` turns reuse off.
+Its ``store`` (flame/runtime/fusion_store.py: beside the plans on disk) keeps the groupings
+of big graphs for later processes: a process whose first step loaded its plan from disk
+never ran the fusion pass, and would otherwise fuse a new resolution's graph in full. A
+grouping read back is applied under the same checks as one made in this process.
 """
 
 from __future__ import annotations
@@ -109,11 +113,15 @@ class Decisions:
         self.fused = 0  # fusions run in full (no grouping of that structure yet)
         self.refused = 0  # fusions run in full: a recorded grouping did not fit the sizes
         self.unrecorded = 0  # fusions whose groups could not be named by position
+        self.read = 0  # groupings read from ``store`` (made by an earlier process)
+        # groupings on disk (``get(key) -> list of plain data | None``, ``put(key, list)``),
+        # for graphs of at least ``store.min_nodes`` nodes; None: this process only
+        self.store = None
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.reused = self.fused = self.refused = self.unrecorded = 0
+            self.reused = self.fused = self.refused = self.unrecorded = self.read = 0
 
     def fuse(self, graph: Graph, saved, run, state: _Run) -> Graph:
         """``run(graph, saved)`` (the fusion pass), or its recorded answer for a graph of
@@ -125,6 +133,15 @@ class Decisions:
             found = list(self._entries.get(key, ()))
             if found:
                 self._entries.move_to_end(key)
+        store = self.store
+        if store is not None and len(nodes) < store.min_nodes:
+            store = None  # a small graph fuses in milliseconds: no file
+        if not found and store is not None:
+            found = _read(store, key, len(nodes))
+            if found:
+                with self._lock:
+                    self.read += 1
+                    self._entries[key] = found
         for recorded in found:
             groups = recorded.apply(graph, nodes, saved)
             if groups is not None:
@@ -146,7 +163,30 @@ class Decisions:
                 self._entries.move_to_end(key)
                 while len(self._entries) > self.max_graphs:
                     self._entries.popitem(last=False)
+        if recorded is not None and store is not None:
+            store.put(key, [entry.data() for entry in kept])
         return result
+
+
+def _read(store, key: bytes, count: int) -> list[_Recorded]:
+    """The groupings ``store`` holds for ``key`` (a graph of ``count`` nodes); none where
+    its data does not parse or names a node the graph does not have."""
+    data = store.get(key)
+    if not isinstance(data, list):
+        return []
+    try:
+        found = [_Recorded.from_data(entry) for entry in data][:MAX_PER_KEY]
+    except (TypeError, ValueError, KeyError, IndexError):
+        return []
+    for recorded in found:
+        for _, members, outputs, _ in recorded.groups:
+            for where in (*members, *outputs):
+                at = where if type(where) is int else where[0]
+                if at >= count:
+                    return []
+        if any(at >= count for at in recorded.handed_out):
+            return []
+    return found
 
 
 def _saved_key(saved, position: dict[int, int]) -> bytes:
@@ -191,6 +231,26 @@ class _Recorded:
             return None
         return cls(tuple(groups), signatures, tuple(sorted(views)))
 
+    def data(self) -> dict:
+        """Plain data (lists, ints, strings): what ``store`` writes."""
+        return {"groups": [[kind, _plain(members), _plain(outputs), list(why)]
+                           for kind, members, outputs, why in self.groups],
+                "signatures": [list(signature) for signature in self.signatures],
+                "handed_out": list(self.handed_out)}  # fmt: skip
+
+    @classmethod
+    def from_data(cls, data: dict) -> _Recorded:
+        """``data()`` read back; raises on anything that is not its shape."""
+        groups = []
+        for kind, members, outputs, why in data["groups"]:
+            if not isinstance(kind, str) or not all(isinstance(text, str) for text in why):
+                raise ValueError("a group's kind and reasons are strings")
+            groups.append((kind, _positions_of(members), _positions_of(outputs), tuple(why)))
+        signatures = tuple(tuple(int(n) for n in signature) for signature in data["signatures"])
+        if len(signatures) != len(groups):
+            raise ValueError("one signature a group")
+        return cls(tuple(groups), signatures, tuple(int(n) for n in data["handed_out"]))
+
     def apply(self, graph: Graph, nodes: list[Node], saved) -> tuple[Group, ...] | None:
         """The recorded groups over ``nodes``, or None where they do not fit its sizes."""
         from flame.ir.passes.fuse import handed_out
@@ -216,6 +276,23 @@ class _Recorded:
                 why = tuple(reasons.get(id(node), old) for node, old in zip(written, why))
             groups.append(Group(kind, group_nodes, tuple(written), why))
         return tuple(groups)
+
+
+def _plain(positions: tuple) -> list:
+    return [where if type(where) is int else list(where) for where in positions]
+
+
+def _positions_of(items: list) -> tuple:
+    """``_plain`` read back: ints, or ``[position, input index]`` pairs."""
+    found = []
+    for item in items:
+        if type(item) is int:
+            found.append(item)
+        elif isinstance(item, list) and len(item) == 2 and all(type(n) is int for n in item):
+            found.append(tuple(item))
+        else:
+            raise ValueError(f"not a node position: {item!r}")
+    return tuple(found)
 
 
 def _first_readers(graph: Graph, nodes: list[Node]) -> dict[int, tuple[int, int]]:
