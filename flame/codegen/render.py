@@ -64,9 +64,15 @@ def _templates_digest() -> str:
 def spec_key(spec: KernelSpec) -> str:
     """A key that identifies the rendered code without rendering it: every field of the spec
     but its comment header, plus the templates' contents. A warm start looks kernels up by
-    this key and never loads Jinja2."""
+    this key and never loads Jinja2. Kept on the spec (a frozen record: its code cannot
+    change) for the plan's later users (the plan store hashes every launch's spec)."""
+    known = spec.__dict__.get("_spec_key")
+    if known is not None:
+        return known
     fields = {f.name: getattr(spec, f.name) for f in fields_of(spec) if f.name != "header"}
     # planned sizes and strides are launch arguments, not code
     fields["params"] = [(arg.kind, arg.ctype, arg.name, arg.operand) for arg in spec.params]
     text = repr(sorted(fields.items())) + _templates_digest()
-    return hashlib.sha256(text.encode()).hexdigest()
+    key = hashlib.sha256(text.encode()).hexdigest()
+    object.__setattr__(spec, "_spec_key", key)
+    return key
