@@ -15,7 +15,7 @@ import functools
 import threading
 import time
 
-from flame.codegen.lower import lower_group
+from flame.codegen.lower import PlanLowering
 from flame.codegen.render import render, spec_key
 from flame.determinism import are_deterministic_algorithms_enabled
 from flame.ir.graph import is_input
@@ -319,12 +319,13 @@ class Executor:
         slot_of = {id(node): index for index, node in enumerate(inputs)}
         slot_count = len(inputs)
         lowered_groups, rows = [], []
+        lowering = PlanLowering(_layout_of)
         for group in graph.groups:
             for output in group.outputs:
                 slot_of[id(output)] = slot_count
                 slot_count += 1
             if group.kind != "library":
-                lowered_groups.append(lower_group(group, _layout_of))
+                lowered_groups.append(lowering.lower(group))
             if group.kind == "reduce":
                 rows.append((group, lowered_groups[-1]))
         sources = [

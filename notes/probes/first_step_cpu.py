@@ -16,7 +16,8 @@ the seconds of each phase:
 
 - ``trace``: the step's Python (forward, loss, autograd, clipping, optimizer, EMA) up to the
   plan, measured as the trace event minus the plan;
-- ``passes.<name>``: each pass of the pipeline; ``lower``: ``lower_group`` of every group;
+- ``passes.<name>``: each pass of the pipeline; ``lower``: lowering every group
+  (``PlanLowering.lower``);
 - ``load``: the executor's kernel loads (cache lookups, rendering, NVRTC) as the plan does them;
 - ``render``: rendering every kernel again, apart;
 - ``nvrtc_threads`` / ``nvrtc_processes``: the plan's kernels compiled again with no cache
@@ -152,15 +153,17 @@ def record_passes(timings: dict) -> None:
         return run
 
     pipeline.PIPELINE = tuple(timed(step) for step in pipeline.PIPELINE)
-    lower = executor.lower_group
+    from flame.codegen.lower import PlanLowering
 
-    def lower_timed(group, layout):
+    lower = PlanLowering.lower
+
+    def lower_timed(self, group):
         start = time.perf_counter()
-        result = lower(group, layout)
+        result = lower(self, group)
         timings["lower"] = timings.get("lower", 0.0) + time.perf_counter() - start
         return result
 
-    executor.lower_group = lower_timed
+    PlanLowering.lower = lower_timed
     plan = executor.Executor._plan
 
     def plan_timed(self, pending, inputs):

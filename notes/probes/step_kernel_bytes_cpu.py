@@ -69,14 +69,16 @@ def main() -> None:
     executor.Executor._load = lambda self, sources: [None] * len(sources)
 
     lowered_log = []
-    lower = executor.lower_group
+    from flame.codegen.lower import PlanLowering
 
-    def lower_logged(group, layout):
-        result = lower(group, layout)
+    lower = PlanLowering.lower
+
+    def lower_logged(self, group):
+        result = lower(self, group)
         lowered_log.append((group, result))
         return result
 
-    executor.lower_group = lower_logged
+    PlanLowering.lower = lower_logged
     plans = []
     plan = executor.Executor._plan
 
