@@ -226,7 +226,10 @@ def hypot(input, other):  # noqa: A002
     origin = large == 0.0
     ratio = small / where(origin, 1.0, large)
     scaled = large * (1.0 + ratio * ratio).sqrt()
-    plain = (x * x + y * y).sqrt()  # 0 at the origin, with sqrt's NaN gradient there
+    # at the origin 0, with sqrt's NaN gradient there; elsewhere sqrt(1), whose zero
+    # cotangent stays 0 (sqrt(x*x + y*y) itself would turn it into 0 * inf = NaN where the
+    # squares underflow)
+    plain = where(origin, x * x + y * y, 1.0).sqrt()
     finite = where(origin, plain, scaled)
     infinite = isinf(x) | isinf(y)
     return where(infinite, float("inf"), finite)
