@@ -218,7 +218,8 @@ def hypot(input, other):  # noqa: A002
     """``sqrt(input**2 + other**2)`` without overflow or underflow on the way, as C's
     ``hypot``: the larger magnitude times ``sqrt(1 + ratio**2)``; an infinite operand gives
     inf even beside a NaN. The gradient is ``input / hypot`` (NaN at the origin, as
-    PyTorch's; 0 where an operand is infinite, where PyTorch's is NaN)."""
+    PyTorch's; NaN for both operands where one is infinite: PyTorch's is 0 for the finite
+    one)."""
     x, y = _float_operands("hypot", input, other)
     magnitude_x, magnitude_y = x.abs(), y.abs()
     large = _FUNCTIONS["maximum"](magnitude_x, magnitude_y)
@@ -239,7 +240,8 @@ def logit(input, eps=None):  # noqa: A002
     """``log(z / (1 - z))`` with ``z`` the input clamped to ``[eps, 1 - eps]`` (not clamped
     when ``eps`` is None or negative), as PyTorch: below ``eps`` gives ``eps``, above
     ``1 - eps`` gives ``1 - eps`` (in that order), and the gradient is 0 outside the range.
-    Integer and bool inputs compute in float32."""
+    Without ``eps`` the gradient outside [0, 1] is finite (PyTorch's is NaN; the value is NaN
+    in both). Integer and bool inputs compute in float32."""
     if not isinstance(input, Tensor):
         raise _refuse(TypeError(f"logit: expected a flame.Tensor, got {type(input).__name__}"))
     x = input if input.dtype.is_float else input.to(dtypes.DEFAULT_FLOAT)
