@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 from gradcheck import check_against_finite_differences, check_against_torch
-from opinfo import assert_compiled_matches_lazy, assert_user_error
+from opinfo import assert_compiled_matches_lazy, assert_user_error, compile_plan_kernels
 
 import flame as fl
 
@@ -226,6 +226,35 @@ def test_value_and_gradient_match_torch(case, rng):
     torch_module()
     _, build, _, spelling, _, positions = case
     check_against_torch(build, spelling, _arrays(case, rng), positions, rng)
+
+
+def _values_and_cotangents(case, arrays, projection_rng):
+    """The output and the cotangents of the differentiated inputs, on the current backend,
+    for a projection drawn from ``projection_rng``."""
+    _, build, _, _, _, positions = case
+    tensors = [fl.from_numpy(np.ascontiguousarray(array)) for array in arrays]
+
+    def function(*primals):
+        values = list(tensors)
+        for position, primal in zip(positions, primals, strict=True):
+            values[position] = primal
+        return build(*values)
+
+    out, pullback = fl.vjp(function, *(tensors[position] for position in positions))
+    projection = projection_rng.standard_normal(out.shape).astype(np.float32)
+    return [out.numpy()] + [grad.numpy() for grad in pullback(fl.from_numpy(projection))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gpu_matches_the_reference(case, rng):
+    arrays = _arrays(case, rng)
+    results = {}
+    for name in ("reference", "cuda"):
+        with fl.backend(name):
+            results[name] = _values_and_cotangents(case, arrays, np.random.default_rng(7))
+    for ours, expected in zip(results["cuda"], results["reference"], strict=True):
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
 
 
 # --- edge cases -----------------------------------------------------------------------------
@@ -570,10 +599,32 @@ def _products(x):
     return x.cross(product, dim=1) + (high - low) * std + mean + fl.frac(x * 3.0)
 
 
-@pytest.mark.parametrize("op", [_rearranged, _products], ids=["rearranged", "products"])
-def test_compiled_matches_lazy_with_gradients(op, rng, reference_backend):
+def _indexed(x):
+    """[4, 3] -> [4, 3]: index_add, baddbmm, count_nonzero as a float, var_mean."""
+    added = fl.index_add(x, 0, fl.tensor([3, 0, 3]), x[:3] * 2.0)
+    variance, mean = fl.var_mean(x, 0, keepdim=True)
+    batched = fl.baddbmm(x.unsqueeze(0), x.unsqueeze(0), x.t().unsqueeze(0)[..., :3], beta=0.0)
+    return added + batched[0] * variance + mean * fl.count_nonzero(x, 1).unsqueeze(1).to(x.dtype)
+
+
+@pytest.mark.parametrize("op", [_rearranged, _products, _indexed],
+                         ids=["rearranged", "products", "indexed"])  # fmt: skip
+def test_compiled_matches_lazy_with_gradients(op, rng, backend):
     shape = (3, 4) if op is _rearranged else (4, 3)
     x = fl.tensor(normal(rng, shape)).requires_grad_()
     out_shape = (4, 3)
     seed = fl.tensor(normal(rng, out_shape))
     assert_compiled_matches_lazy(op, x, seed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [_rearranged, _products, _indexed],
+                         ids=["rearranged", "products", "indexed"])  # fmt: skip
+def test_cuda_kernels_compile_with_nvrtc(op, cuda_backend, nvrtc, rng):
+    """The forward and backward kernels of the new ops render and compile for the GPU (no
+    GPU needed: NVRTC only)."""
+    shape = (3, 4) if op is _rearranged else (4, 3)
+    x = fl.from_numpy(normal(rng, shape))
+    out, pullback = fl.vjp(op, x)
+    (grad,) = pullback(fl.ones(out.shape))
+    for cubin in compile_plan_kernels([out.node, grad.node]):
+        assert cubin[:4] == b"\x7fELF"
