@@ -191,9 +191,10 @@ def stride(self: Tensor, dim: int | None = None):
     (``t()``, ``x[:, 1:]``, ``expand``) that is realized gets memory of its own. Lazy views
     have no memory of their own to report strides of, so these are the strides the tensor
     promises, consistent with ``is_contiguous()`` (a buffer imported from NumPy or DLPack
-    may sit in other strides; FLAME reads it through them, and exports a C-contiguous one)."""
-    strides = tuple(prod(max(size, 1) for size in self.shape[axis + 1 :]) for axis in
-                    range(self.ndim))  # fmt: skip
+    may sit in memory in other strides; FLAME reads it through them, and no FLAME op depends
+    on them)."""
+    sizes = [max(size, 1) for size in self.shape]
+    strides = tuple(prod(sizes[axis + 1 :]) for axis in range(self.ndim))
     if dim is None:
         return strides
     try:
