@@ -62,6 +62,7 @@ from flame.functional import clamp
 from flame.indexing import (
     embedding,
     gather,
+    index_add,
     index_select,
     index_tensor,
     masked_fill,
@@ -92,7 +93,16 @@ from flame.ir.dtypes import (
 )
 from flame.ir.shapes import ShapeError
 from flame.joining import cat, pad, repeat, stack, tril, triu
-from flame.linalg import bmm, get_matmul_precision, matmul, matmul_precision, set_matmul_precision
+from flame.linalg import (
+    addmm,
+    baddbmm,
+    bmm,
+    cross,
+    get_matmul_precision,
+    matmul,
+    matmul_precision,
+    set_matmul_precision,
+)  # fmt: skip
 from flame.norms import allclose, isclose, norm
 from flame.random import (
     Generator,
@@ -104,21 +114,26 @@ from flame.random import (
     set_rng_state,
 )  # fmt: skip
 from flame.ranges import eye, linspace, logspace, tril_indices, triu_indices
+from flame.rearranging import adjoint, diff, ravel, rot90, swapaxes, swapdims, t, tile
 from flame.recompute import checkpoint
 from flame.reductions import (
     all,
     amax,
     amin,
+    aminmax,
     any,
     argmax,
     argmin,
+    count_nonzero,
     logsumexp,
     max,
     mean,
     min,
     std,
+    std_mean,
     sum,
     var,
+    var_mean,
 )  # fmt: skip
 from flame.reductions import (
     prod_ as prod,
@@ -190,5 +205,7 @@ __all__ = [
     "manual_seed", "seed", "set_rng_state", "multinomial", "normal", "randint", "randint_like",
     "randperm", "load_file", "save_file",
     "autocast", "get_autocast_dtype", "is_autocast_enabled",
+    "addmm", "adjoint", "aminmax", "baddbmm", "count_nonzero", "cross", "diff", "index_add",
+    "ravel", "rot90", "std_mean", "swapaxes", "swapdims", "t", "tile", "var_mean",
     *_functional_names,
 ]  # fmt: skip

@@ -8,6 +8,7 @@ import numbers
 import ml_dtypes
 
 import flame.tensor as _tensor_module
+from flame.ir import dtypes
 from flame.ir.node import user_site
 from flame.tensor import Tensor, _fast_binary, _fast_unary, _with_site, apply
 
@@ -198,12 +199,73 @@ def square(input):  # noqa: A002
     return input * input
 
 
+def _float_operands(name: str, *values) -> list[Tensor]:
+    """``values`` (flame tensors) cast to their promoted dtype, which must be a float one
+    (PyTorch's ``hypot``, ``frac``: "not implemented for 'Long'")."""
+    for value in values:
+        if not isinstance(value, Tensor):
+            raise _refuse(TypeError(f"{name}: expected a flame.Tensor, got {type(value).__name__}"))
+    dimensioned = [value.dtype for value in values if value.ndim]
+    zero_dim = [value.dtype for value in values if not value.ndim]
+    common = dtypes.result_type(dimensioned, zero_dim, [])
+    if not common.is_float:
+        shown = " and ".join(f"{value.dtype.name}{list(value.shape)}" for value in values)
+        raise _refuse(TypeError(f"{name}: needs float tensors, got {shown}"))
+    return [value.to(common) for value in values]
+
+
+def hypot(input, other):  # noqa: A002
+    """``sqrt(input**2 + other**2)`` without overflow or underflow on the way, as C's
+    ``hypot``: the larger magnitude times ``sqrt(1 + ratio**2)``; an infinite operand gives
+    inf even beside a NaN. The gradient is ``input / hypot`` (NaN at the origin, as
+    PyTorch's; NaN for both operands where one is infinite: PyTorch's is 0 for the finite
+    one)."""
+    x, y = _float_operands("hypot", input, other)
+    magnitude_x, magnitude_y = x.abs(), y.abs()
+    large = _FUNCTIONS["maximum"](magnitude_x, magnitude_y)
+    small = _FUNCTIONS["minimum"](magnitude_x, magnitude_y)
+    origin = large == 0.0
+    ratio = small / where(origin, 1.0, large)
+    scaled = large * (1.0 + ratio * ratio).sqrt()
+    # at the origin 0, with sqrt's NaN gradient there; elsewhere sqrt(1), whose zero
+    # cotangent stays 0 (sqrt(x*x + y*y) itself would turn it into 0 * inf = NaN where the
+    # squares underflow)
+    plain = where(origin, x * x + y * y, 1.0).sqrt()
+    finite = where(origin, plain, scaled)
+    infinite = isinf(x) | isinf(y)
+    return where(infinite, float("inf"), finite)
+
+
+def logit(input, eps=None):  # noqa: A002
+    """``log(z / (1 - z))`` with ``z`` the input clamped to ``[eps, 1 - eps]`` (not clamped
+    when ``eps`` is None or negative), as PyTorch: below ``eps`` gives ``eps``, above
+    ``1 - eps`` gives ``1 - eps`` (in that order), and the gradient is 0 outside the range.
+    Without ``eps`` the gradient outside [0, 1] is finite (PyTorch's is NaN; the value is NaN
+    in both). Integer and bool inputs compute in float32."""
+    if not isinstance(input, Tensor):
+        raise _refuse(TypeError(f"logit: expected a flame.Tensor, got {type(input).__name__}"))
+    x = input if input.dtype.is_float else input.to(dtypes.DEFAULT_FLOAT)
+    if eps is not None and eps >= 0:
+        low, high = float(eps), 1.0 - float(eps)
+        x = where(x < low, low, where(x > high, high, x))
+    return (x / (1.0 - x)).log()
+
+
+def frac(input):  # noqa: A002
+    """``input - trunc(input)``: the fractional part, with the input's sign; float only."""
+    (x,) = _float_operands("frac", input)
+    return x - _FUNCTIONS["trunc"](x)
+
+
 _FUNCTIONS.update(gelu=gelu, leaky_relu=leaky_relu, softplus=softplus, square=square)
 _FUNCTIONS.update(
     isnan=isnan, isinf=isinf, isfinite=isfinite, nan_to_num=nan_to_num, clip=clip,
     div=div, pow=pow, lerp=lerp, addcmul=addcmul, addcdiv=addcdiv,
 )  # fmt: skip
+_FUNCTIONS.update(hypot=hypot, logit=logit, frac=frac)
 _FUNCTIONS["fix"] = _FUNCTIONS["trunc"]
+_FUNCTIONS["sgn"] = _FUNCTIONS["sign"]  # the sign, for FLAME's real dtypes
+_FUNCTIONS["floor_divide"] = _FUNCTIONS["floordiv"]
 for _name, _function in _FUNCTIONS.items():
     if not hasattr(Tensor, _name):
         setattr(Tensor, _name, _function)
@@ -211,7 +273,6 @@ globals().update(_FUNCTIONS)
 true_divide = _true_divide
 divide = div
 negative = _FUNCTIONS["neg"]
-floor_divide = _FUNCTIONS["floordiv"]
 
 # Methods tensor.py defines too, replaced here so that they follow PyTorch at the edges:
 # clamp's gradient at the bounds, div's rounding_mode, ``int_tensor ** -1`` refused.
@@ -228,5 +289,5 @@ if not hasattr(Tensor, "__lshift__"):  # ``x << n`` and ``x >> n``, as PyTorch's
     Tensor.__rrshift__ = _fast_binary("bitwise_right_shift", reflected=True)
 
 __all__ = [
-    *_FUNCTIONS, "where", "clamp", "true_divide", "divide", "negative", "floor_divide",
+    *_FUNCTIONS, "where", "clamp", "true_divide", "divide", "negative",
 ]  # fmt: skip

@@ -75,6 +75,50 @@ def scatter_add(input: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor: 
     return apply_op("scatter_add", input, index, src, dim=dim)
 
 
+def index_add(input: Tensor, dim: int, index: Tensor, source: Tensor, *, alpha=1) -> Tensor:  # noqa: A002
+    """A copy of ``input`` with ``alpha * source``'s entry ``i`` along ``dim`` added at
+    ``index[i]`` (repeated indices add up): ``scatter_add`` with ``index`` placed along ``dim``.
+    ``source`` has ``input``'s dtype and shape but ``len(index)`` along ``dim``; an integer
+    input takes ``alpha`` as an integer, as PyTorch's."""
+    _check_tensors("index_add", input=input, index=index, source=source)
+    if index.dtype not in (dtypes.int32, dtypes.int64):
+        raise at_user_line(
+            TypeError(f"index_add: index must be int32 or int64, got {_shown(index)}")
+        )
+    if index.ndim > 1:
+        raise at_user_line(IndexError(f"index_add: index must be a vector, got {_shown(index)}"))
+    if source.dtype is not input.dtype:
+        raise at_user_line(
+            TypeError(
+                f"index_add: input {_shown(input)} and source {_shown(source)} must have the "
+                "same dtype"
+            )
+        )
+    if input.ndim == 0:  # one entry: as a 1-d tensor of size 1
+        added = index_add(input.reshape(1), dim, index.reshape(-1), source.reshape(-1), alpha=alpha)
+        return added.reshape(())
+    axis = _dim("index_add", dim, input.ndim)
+    count = index.numel()
+    expected = input.shape[:axis] + (count,) + input.shape[axis + 1 :]
+    if source.shape != expected:
+        raise at_user_line(
+            ShapeError(
+                f"index_add: source {_shown(source)} must have the shape of input "
+                f"{_shown(input)} with {count} (the number of indices) along dim {dim}"
+            )
+        )
+    if alpha != 1:
+        source = source * (alpha if input.dtype.is_float else int(alpha))
+    placed = [1] * input.ndim
+    placed[axis] = count
+    along = index.reshape(tuple(placed)).expand(source.shape)
+    return apply_op("scatter_add", input, along, source, dim=axis)
+
+
+def _shown(value: Tensor) -> str:
+    return f"{value.dtype.name}{list(value.shape)}"
+
+
 def embedding(
     input: Tensor,  # noqa: A002
     weight: Tensor,
@@ -227,8 +271,7 @@ def scatter_reduce(
     if reduce not in ("sum", "mean"):
         raise at_user_line(
             ValueError(
-                f"scatter_reduce: reduce={reduce!r} is not supported (sum, prod, mean, amax, "
-                "amin)"
+                f"scatter_reduce: reduce={reduce!r} is not supported (sum, prod, mean, amax, amin)"
             )
         )
     summed = scatter_add(creation.zeros_like(input), dim, index, src)
@@ -281,8 +324,10 @@ def checked_targets(op: str, target: Tensor, classes: int, ignore_index: int) ->
     value is read (on the GPU: at the next read of any value, ``device_errors.py``)."""
     if target.dtype not in (dtypes.int32, dtypes.int64):
         raise at_user_line(
-            TypeError(f"{op}: target must hold int32 or int64 class indices, got "
-                      f"{target.dtype.name}{list(target.shape)}")  # fmt: skip
+            TypeError(
+                f"{op}: target must hold int32 or int64 class indices, got "
+                f"{target.dtype.name}{list(target.shape)}"
+            )  # fmt: skip
         )
     return apply_op("check_index", target, size=classes, ignore=ignore_index,
                     message=op + ": Target {value} is out of bounds.")  # fmt: skip
@@ -423,11 +468,12 @@ for _name, _function in (
     ("gather", gather), ("index_select", index_select), ("take_along_dim", take_along_dim),
     ("scatter_add", scatter_add), ("masked_fill", masked_fill), ("scatter", scatter),
     ("scatter_reduce", scatter_reduce), ("nonzero", nonzero), ("masked_select", masked_select),
+    ("index_add", index_add),
 ):  # fmt: skip
     if _name not in Tensor.__dict__:
         setattr(Tensor, _name, _function)
 
 __all__ = [
-    "embedding", "gather", "index_select", "index_tensor", "masked_fill", "one_hot",
+    "embedding", "gather", "index_add", "index_select", "index_tensor", "masked_fill", "one_hot",
     "scatter_add", "take_along_dim", "scatter", "scatter_reduce", "nonzero", "masked_select",
 ]  # fmt: skip

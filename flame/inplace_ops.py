@@ -145,6 +145,12 @@ def _masked_fill(self, mask, value):
     return masked_fill(self, mask, value)
 
 
+def _index_add(self, dim, index, source, *, alpha=1):
+    from flame.indexing import index_add
+
+    return index_add(self, dim, index, source, alpha=alpha)
+
+
 def _clamp(self, min=None, max=None):  # noqa: A002 (PyTorch's names)
     from flame.functional import clamp
 
@@ -168,6 +174,7 @@ _OPS = {
     "fill_": _fill_value,
     "copy_": _copy_value,
     "masked_fill_": _masked_fill,
+    "index_add_": _index_add,
     "uniform_": _uniform,
     "normal_": _normal,
     "bernoulli_": _bernoulli,

@@ -286,14 +286,68 @@ def argmin(x, dim=None, keepdim=False, *, axis=None):
     return _arg(x, _dim(dim, axis, "argmin"), keepdim, amin, "argmin")
 
 
+# --- pairs of reductions -----------------------------------------------------------------------
+
+MinMax = namedtuple("aminmax", ["min", "max"])  # as torch.return_types.aminmax
+
+
+def aminmax(input, *, dim=None, keepdim=False):  # noqa: A002 (PyTorch's name)
+    """``(amin, amax)`` over ``dim`` (all axes when None) as a named tuple ``(min, max)``;
+    the gradient splits among ties, as ``amin``'s and ``amax``'s."""
+    axes = _axes(input, dim, "aminmax")
+    _nonempty(input, axes, dim, "aminmax")
+    return MinMax(amin(input, dim, keepdim), amax(input, dim, keepdim))
+
+
+def count_nonzero(input, dim=None):  # noqa: A002
+    """How many entries are not 0 (NaN counts; -0.0 does not), over ``dim`` (an int or a
+    tuple; all axes when None or empty), as int64."""
+    axes = _axes(input, dim, "count_nonzero")
+    return sum(input != 0, axes if axes else None)
+
+
+def _correction(name: str, x, dim, unbiased, correction):
+    """PyTorch's three spellings: ``f(x, unbiased)``, ``f(x, dim, unbiased, keepdim)`` and
+    ``f(x, dim, *, correction, keepdim)``: ``(dim, correction)``."""
+    if not isinstance(x, Tensor):
+        raise _with_site(
+            TypeError(f"{name}: expected a flame.Tensor, got {type(x).__name__}"), user_site()
+        )
+    if isinstance(dim, bool):  # f(x, True): the bool is ``unbiased``
+        dim, unbiased = None, dim if unbiased is None else unbiased
+    if unbiased is not None and correction is not None:
+        raise _with_site(TypeError(f"{name}: give unbiased or correction, not both"), user_site())
+    if not x.dtype.is_float:
+        raise _with_site(
+            TypeError(f"{name}: needs a float tensor, got {x.dtype.name}{list(x.shape)}"),
+            user_site(),
+        )
+    if unbiased is not None:
+        return dim, int(bool(unbiased))
+    return dim, 1 if correction is None else correction
+
+
+def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):  # noqa: A002
+    """``(var, mean)`` over ``dim``: a plain tuple, as PyTorch's."""
+    dim, correction = _correction("var_mean", input, dim, unbiased, correction)
+    return var(input, dim, correction, keepdim), mean(input, dim, keepdim)
+
+
+def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):  # noqa: A002
+    """``(std, mean)`` over ``dim``: a plain tuple, as PyTorch's."""
+    dim, correction = _correction("std_mean", input, dim, unbiased, correction)
+    return std(input, dim, correction, keepdim), mean(input, dim, keepdim)
+
+
 for _name, _function in (
     ("sum", sum), ("prod", prod_), ("amax", amax), ("amin", amin), ("max", max), ("min", min),
     ("mean", mean), ("var", var), ("std", std), ("logsumexp", logsumexp), ("any", any),
-    ("all", all), ("argmax", argmax), ("argmin", argmin),
+    ("all", all), ("argmax", argmax), ("argmin", argmin), ("aminmax", aminmax),
+    ("count_nonzero", count_nonzero),
 ):  # fmt: skip
     setattr(Tensor, _name, _function)
 
 __all__ = [
-    "all", "amax", "amin", "any", "argmax", "argmin", "logsumexp", "max", "mean", "min",
-    "std", "sum", "var",
+    "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "count_nonzero", "logsumexp",
+    "max", "mean", "min", "std", "std_mean", "sum", "var", "var_mean",
 ]  # fmt: skip

@@ -66,6 +66,8 @@ def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
         normalize_axis(dim0, x.ndim, "transpose"),
         normalize_axis(dim1, x.ndim, "transpose"),
     )
+    if x.ndim == 0:  # dims 0 and -1 name the one "dim" of a 0-d tensor, as in PyTorch
+        return x
     dims[first], dims[second] = dims[second], dims[first]
     return apply_op("permute", x, dims=tuple(dims))
 
