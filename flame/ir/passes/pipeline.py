@@ -61,10 +61,24 @@ def run_pipeline(
     with reuse.using(decisions):
         for step in PIPELINE:
             start = time.perf_counter()
-            graph = step(graph)
+            graph = _nodes_kept(graph, step(graph))
             elapsed = time.perf_counter() - start
             if verify_each:
                 verify(graph, after=step.__name__)
             if record:
                 history.append(PassRecord(step.__name__, elapsed, graph))
     return (graph, history) if record else graph
+
+
+def _nodes_kept(before: Graph, after: Graph) -> Graph:
+    """``after`` given ``before``'s node order where a pass kept every output (dce with
+    nothing dead, fusion and the save-or-recompute pass adding groups): the same outputs
+    reach the same nodes, and the UNet's ~20,000-node order costs ~30 ms a sort."""
+    known = before._nodes
+    if (
+        after is not before and after._nodes is None and known is not None
+        and len(after.outputs) == len(before.outputs)
+        and all(a is b for a, b in zip(after.outputs, before.outputs))
+    ):  # fmt: skip
+        object.__setattr__(after, "_nodes", list(known))
+    return after
