@@ -128,7 +128,7 @@ class Decisions:
         the same structure and saves, applied to ``graph``'s nodes."""
         digest, nodes = state.key(graph)
         position = {id(node): index for index, node in enumerate(nodes)}
-        key = digest + _saved_key(saved, position)
+        key = digest + _saved_key(saved, position) + _mode()
         with self._lock:
             found = list(self._entries.get(key, ()))
             if found:
@@ -187,6 +187,14 @@ def _read(store, key: bytes, count: int) -> list[_Recorded]:
         if any(at >= count for at in recorded.handed_out):
             return []
     return found
+
+
+def _mode() -> bytes:
+    """What decides fusion besides the graph: deterministic algorithms keep a row kernel's
+    column sums out of atomics (row_columns.py), another grouping of the same graph."""
+    from flame.determinism import are_deterministic_algorithms_enabled
+
+    return b"deterministic" if are_deterministic_algorithms_enabled() else b""
 
 
 def _saved_key(saved, position: dict[int, int]) -> bytes:

@@ -1,0 +1,28 @@
+"""A fusion grouping is reused only under the mode it was made in (flame/ir/passes/reuse.py):
+deterministic algorithms keep a row kernel's column sums out of atomics (row_columns.py),
+so the same graph is grouped otherwise. Planned on the CUDA backend without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import flame as fl
+from flame.runtime.walks import linearize
+from tests.test_plan_reuse_sizes import planning  # noqa: F401  (a fixture)
+from tests.test_row_column_fusion import _layer_norm_fwd_bwd
+
+
+def _launches(executor, deterministic: bool) -> int:
+    with fl.use_deterministic_algorithms(deterministic):
+        outputs = _layer_norm_fwd_bwd(np.random.default_rng(11), (4096, 512))
+        pending = [tensor.node for tensor in outputs]
+        _, inputs, key = linearize(pending)
+        return len(executor.plan_for(pending, inputs, key).launches)
+
+
+def test_the_deterministic_mode_is_grouped_apart(planning, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("FLAME_PLAN_CACHE", "1")  # the groupings on disk are kept apart too
+    assert [_launches(planning, mode) for mode in (False, True, False)] == [1, 2, 1]
+    fresh = type(planning)(planning.kernels)  # a new process over the same cache directory
+    fresh.loaded, fresh.made = [], []
+    assert _launches(fresh, True) == 2
