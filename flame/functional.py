@@ -8,9 +8,10 @@ import numbers
 import ml_dtypes
 
 import flame.tensor as _tensor_module
+from flame.fast_paths import _fast_binary, _fast_unary
 from flame.ir import dtypes
 from flame.ir.node import user_site
-from flame.tensor import Tensor, _fast_binary, _fast_unary, _with_site, apply
+from flame.tensor import Tensor, _with_site, apply
 
 UNARY = (
     "neg abs exp log log1p expm1 sqrt rsqrt sin cos tanh sigmoid relu silu erf floor ceil round "

@@ -2,27 +2,21 @@
 value is asked for (``.numpy()``, ``.item()``, ``.realize()``, DLPack, ...).
 
 Every op is built through ``apply``, which applies the op's declared promotion, broadcasts,
-checks, and records the user's line, so bad input fails here, when the op is built.
+checks, and records the user's line, so bad input fails here, when the op is built. The
+common elementwise cases (``x + y``, ``-x``, ``flame.exp(x)``) take the fast paths of
+flame/fast_paths.py, which build the same nodes and fall back to ``apply``.
 """
 
 from __future__ import annotations
 
 import contextvars
-import sys
 
 import numpy as np
 
 from flame.backend import get_backend, realize_nodes
 from flame.ir import dtypes
-from flame.ir.infer import NAN, make_const
-from flame.ir.node import (
-    Node,
-    SiteMark,
-    builder_site,
-    caller_frame,
-    format_site,
-    frame_site,
-)
+from flame.ir.infer import make_const
+from flame.ir.node import Node, builder_site, format_site
 from flame.ir.ops import OPS, get_op
 from flame.ir.shapes import ShapeError, broadcast_shapes
 
@@ -182,165 +176,6 @@ class Tensor:
 
     def __invert__(self):
         return apply("bitwise_not", self)
-
-
-def _fast_dtypes(op) -> frozenset:
-    """The dtypes an op's fast path takes as they are: the op accepts them and its promotion
-    keeps them (``int_to_float`` ops take floats only)."""
-    if op.promotion not in ("default", "always_bool", "int_to_float"):
-        return frozenset()
-    return frozenset(
-        dtype
-        for dtype in dtypes.ALL
-        if op.accepts(dtype.category) and (op.promotion != "int_to_float" or dtype.is_float)
-    )
-
-
-def _fast_unary(op_name: str):
-    """``op(x)`` built straight into a node when ``x`` is a tensor of a dtype the op takes as
-    it is; anything else goes through ``apply`` (which also reports errors). The caller's
-    frame is the user's line unless it is FLAME's own code."""
-    op = OPS[op_name]
-    accepted = _fast_dtypes(op)
-    # names the builder reads every call, bound here (closure cells read faster than globals)
-    getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
-    caller, site_mark, new = caller_frame, SiteMark, object.__new__
-    node_type, tensor_type = Node, Tensor
-
-    def function(x):
-        if type(x) is tensor_type:
-            node = x.node
-            dtype = node.dtype
-            if dtype in accepted:
-                try:
-                    frame = caller(None)  # the caller's frame without an audited call
-                except (ValueError, StopIteration):  # another thread is in it now; closed
-                    frame = getframe(1)
-                # the user's line: from the frame's SiteMark where an earlier op left it
-                # (read here, not through a call: one call per op is ~10 % of the build)
-                sites = frame.f_trace if frame is not None else None
-                site = sites.get(frame.f_lasti) if type(sites) is site_mark else None
-                if site is None:
-                    site = site_of(frame)
-                # Node(...) and, below, Tensor(...) without their __init__ calls: ~0.1 us
-                # each on Python 3.12. Every slot is set (tests/test_host_cost.py checks
-                # these against Node(...) and Tensor(...)).
-                made = new(node_type)
-                made.op = op_name
-                made.inputs = (node,)
-                made.attrs = ()
-                made.dtype = dtype
-                made.shape = node.shape
-                made.site = site
-                made.buffer = made.grad_info = made._hash = None
-                if grad_on():
-                    out = new(tensor_type)
-                    out.node = made
-                    out.backend = x.backend
-                    out.grad = None
-                    return out
-                return result(made, x.backend)
-        return apply(op_name, x)
-
-    return function
-
-
-def _fast_binary(op_name: str, reflected: bool = False):
-    """``op(a, b)`` built straight into a node in the common cases: one dtype the op takes as
-    it is on one backend, with equal shapes or one side zero-dimensional (broadcast by an
-    ``expand`` node, as ``apply`` does), or a float tensor with a Python int/float (an
-    implicit-broadcast constant). Anything else goes through ``apply``, which promotes,
-    broadcasts and reports errors. ``reflected``: the tensor is the right operand.
-    Subclasses (``nn.Parameter``) take the fast path too: ``apply`` treats them alike."""
-    op = OPS[op_name]
-    accepted = _fast_dtypes(op)
-    out_bool = op.out_bool
-    getframe, site_of, grad_on = sys._getframe, frame_site, grad_enabled.get
-    caller, site_mark, new = caller_frame, SiteMark, object.__new__
-    node_type, tensor_type = Node, Tensor  # bound here, as in _fast_unary
-
-    def function(x, other):
-        if type(x) is tensor_type or isinstance(x, tensor_type):
-            node = x.node
-            dtype = node.dtype
-            if dtype in accepted:
-                kind = type(other)
-                shape = node.shape
-                widen = None  # the zero-dimensional side, expanded to the other's shape
-                if kind is tensor_type or isinstance(other, tensor_type):
-                    other_node = other.node
-                    if other_node.dtype is not dtype or other.backend != x.backend:
-                        other_node = None
-                    elif other_node.shape != shape:
-                        if not other_node.shape:
-                            widen = other_node
-                        elif not shape:
-                            widen, shape = node, other_node.shape
-                        else:
-                            other_node = None
-                elif (kind is float or kind is int) and dtype.category == 2:
-                    value = float(other)  # one NaN object (infer.canonical_float), inline
-                    value = value if value == value else NAN
-                    other_node = node_type("const", (), (("value", value),), dtype, (), None)
-                else:
-                    other_node = None
-                if other_node is not None:
-                    try:
-                        frame = caller(None)  # as in _fast_unary
-                    except (ValueError, StopIteration):
-                        frame = getframe(1)
-                    sites = frame.f_trace if frame is not None else None
-                    site = sites.get(frame.f_lasti) if type(sites) is site_mark else None
-                    if site is None:
-                        site = site_of(frame)
-                    if widen is not None:  # as apply's _lift
-                        wide = node_type(
-                            "expand", (widen,), (("shape", shape),), dtype, shape, site
-                        )
-                        if widen is node:
-                            node = wide
-                        else:
-                            other_node = wide
-                    made = new(node_type)  # as in _fast_unary
-                    made.op = op_name
-                    made.inputs = (other_node, node) if reflected else (node, other_node)
-                    made.attrs = ()
-                    made.dtype = dtypes.bool_ if out_bool else dtype
-                    made.shape = shape
-                    made.site = site
-                    made.buffer = made.grad_info = made._hash = None
-                    if grad_on():
-                        out = new(tensor_type)
-                        out.node = made
-                        out.backend = x.backend
-                        out.grad = None
-                        return out
-                    return result(made, x.backend)
-        if reflected:
-            return apply(op_name, other, x)
-        return apply(op_name, x, other)
-
-    return function
-
-
-for _dunder, _op in (
-    ("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "div"),
-    ("floordiv", "floordiv"), ("mod", "remainder"), ("pow", "pow"),
-    ("and", "bitwise_and"), ("or", "bitwise_or"), ("xor", "bitwise_xor"),
-):  # fmt: skip
-    setattr(Tensor, f"__{_dunder}__", _fast_binary(_op))
-    setattr(Tensor, f"__r{_dunder}__", _fast_binary(_op, reflected=True))
-for _dunder, _op in (
-    ("eq", "eq"),
-    ("ne", "ne"),
-    ("lt", "lt"),
-    ("le", "le"),
-    ("gt", "gt"),
-    ("ge", "ge"),
-):
-    setattr(Tensor, f"__{_dunder}__", _fast_binary(_op))
-Tensor.__hash__ = object.__hash__
-Tensor.__neg__ = _fast_unary("neg")
 
 
 # --- building ops ---------------------------------------------------------------------------
@@ -535,3 +370,8 @@ def apply_op(op_name: str, *inputs: Tensor, **attrs) -> Tensor:
 
         start_loading()  # cuDNN's start-up overlaps the rest of the trace and the compile
     return result(node, backend_name)
+
+
+# Tensor's operators are the fast paths of flame/fast_paths.py, which installs them when
+# imported; here, at the end, because it builds on ``Tensor``, ``apply`` and ``result``.
+from flame import fast_paths  # noqa: E402, F401

@@ -48,7 +48,7 @@ class SiteMark(dict):
     ops read their sites from the frame without reading ``frame.f_code``. That read is an
     audited event: every audit hook in the process runs on it (filelock, which PyTorch
     imports, adds two; with them each op of lazy mode paid ~0.7 us for its two audited reads
-    on the H100 host). The graph builders in flame/tensor.py read a site straight from the
+    on the H100 host). The graph builders in flame/fast_paths.py read a site straight from the
     mark and call ``frame_site`` only for a frame or offset not seen before. A mark names one
     code object, so frames of other code never read it.
 

@@ -87,8 +87,9 @@ def def_vjp(name: str, rule) -> None:
     """Attach the backward rule of an op, right after its declaration (JAX style).
 
     ``rule(F, g, out, *inputs, **attrs)`` returns one cotangent per input (None: no
-    gradient). ``F`` is flame.autograd's namespace of differentiable functions, so rules are
-    written with ordinary tensor ops and their results are IR like everything else."""
+    gradient). ``F`` is the namespace of differentiable functions in flame/grad_functions.py,
+    so rules are written with ordinary tensor ops and their results are IR like everything
+    else."""
     import dataclasses
 
     OPS[name] = dataclasses.replace(OPS[name], vjp=rule)

@@ -1,7 +1,7 @@
 """Sums of zero-padded pieces become one ``cat``.
 
 The backward of a slice pads the slice's cotangent with zeros back to the full shape
-(flame/autograd.py, ``unslice_axis``). When a tensor is split into pieces (``chunk``,
+(flame/grad_functions.py, ``unslice_axis``). When a tensor is split into pieces (``chunk``,
 ``split``, ``qkv[..., :D]``, a DiT's adaLN ``chunk(6)``), autograd sums the pieces' padded
 cotangents: ``add(add(pad(g1), pad(g2)), pad(g3))``. Each ``pad`` is a library call that
 writes the whole tensor (fill + copy), and the adds read them all again.
