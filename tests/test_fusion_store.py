@@ -56,8 +56,9 @@ def test_no_store_without_the_plan_cache(planning, monkeypatch):  # noqa: F811
 
 def test_unreadable_or_foreign_entries_are_misses(planning, monkeypatch):  # noqa: F811
     """Every stored grouping overwritten with JSON of another shape, then with positions
-    past the graph's nodes: the new process fuses in full and plans valid groups. Another
-    FLAME (source digest) never finds them."""
+    past or before the graph's nodes, then with an input index a node does not have: the
+    new process fuses in full and plans valid groups. Another FLAME (source digest) never
+    finds them."""
     monkeypatch.setenv("FLAME_PLAN_CACHE", "1")
     written = {}
     put = fusion_store.FusionStore.put
@@ -72,13 +73,29 @@ def test_unreadable_or_foreign_entries_are_misses(planning, monkeypatch):  # noq
         groups = [[kind, [10**6], outputs, why] for kind, _, outputs, why in first["groups"]]
         return [{**first, "groups": groups}]
 
-    spoils = (lambda entries: [{"groups": "none"}], past_the_nodes)
-    for spoil, shape in zip(spoils, SHAPES[1:3]):  # new shapes: no stored plan either
+    def before_the_nodes(entries):
+        first = entries[0]
+        groups = [[kind, [-3], outputs, why] for kind, _, outputs, why in first["groups"]]
+        return [{**first, "groups": groups}]
+
+    def past_the_inputs(entries):  # a member named by (reader, input index) it does not have
+        first = entries[0]
+        groups = [[kind, [[0, 99]], outputs, why] for kind, _, outputs, why in first["groups"]]
+        return [{**first, "groups": groups}]
+
+    spoils = (lambda entries: [{"groups": "none"}], past_the_nodes, before_the_nodes)
+    shapes = (SHAPES[1], SHAPES[2], (4, 8, 8, 8), (2, 8, 10, 10))  # no stored plan either
+    for spoil, shape in zip(spoils, shapes):
         for key, (store, entries) in written.items():
             put(store, key, spoil(entries))
         fresh = _new_process(planning, monkeypatch)
         check_plans(call(fresh, _diffusion_step(), _images(shape)))
         assert fresh.decisions.read == 0 and fresh.decisions.fused > 0
+    for key, (store, entries) in written.items():
+        put(store, key, past_the_inputs(entries))
+    fresh = _new_process(planning, monkeypatch)
+    check_plans(call(fresh, _diffusion_step(), _images(shapes[3])))
+    assert fresh.decisions.read > 0 and fresh.decisions.reused == 0  # read, not applied
     for key, (store, entries) in written.items():
         put(store, key, entries)
     fresh = _new_process(planning, monkeypatch)
@@ -98,3 +115,16 @@ def test_stored_groupings_round_trip(planning, monkeypatch):  # noqa: F811
         back = _Recorded.from_data(entry.data())
         assert (back.groups, back.signatures, back.handed_out) == (
             entry.groups, entry.signatures, entry.handed_out)  # fmt: skip
+
+
+def test_groupings_read_from_disk_stay_within_the_limit(planning, monkeypatch):  # noqa: F811
+    """Groupings read back count against ``max_graphs`` as recorded ones do."""
+    monkeypatch.setenv("FLAME_PLAN_CACHE", "1")
+    for shape in (SHAPES[0], (1, 8, 8, 8)):  # a batch of 1 is another structure
+        call(planning, _diffusion_step(), _images(shape))
+    fresh = _new_process(planning, monkeypatch)
+    fresh.decisions.max_graphs = 1
+    for shape in (SHAPES[1], (1, 8, 12, 12)):
+        check_plans(call(fresh, _diffusion_step(), _images(shape)))
+    assert fresh.decisions.read >= 2
+    assert len(fresh.decisions._entries) <= 1

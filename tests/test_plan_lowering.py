@@ -77,3 +77,20 @@ def test_groups_differing_in_a_constant_or_an_input_layout_are_lowered_apart():
     assert lowering.repeated == 1 and lowering.lowered == 3  # only y's repeats x's
     for got, want in pairs:
         assert got == want
+
+
+def test_a_negative_zero_is_not_a_zero():
+    """-0.0 == 0.0 in Python (and hashes alike), but a kernel spells them apart: groups that
+    differ only so are lowered apart."""
+    with fl.backend("cuda"):
+        x, y = _zeros(8, 8), _zeros(8, 8)
+    groups = [
+        _group(lambda v: fl.nan_to_num(v.log(), nan=0.0), x),
+        _group(lambda v: fl.nan_to_num(v.log(), nan=-0.0), y),
+    ]
+    lowering = PlanLowering(_layout_of)
+    pairs = [(lowering.lower(group), lower_group(group, _layout_of)) for group in groups]
+    assert lowering.repeated == 0
+    for got, want in pairs:
+        assert got == want
+    assert pairs[0][0].spec.body != pairs[1][0].spec.body

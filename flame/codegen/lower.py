@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from flame.codegen.elementwise import Lowered, lower_elementwise
 from flame.ir.graph import Group, is_input
+from flame.ir.node import exact
 from flame.records import replace
 
 
@@ -33,7 +34,8 @@ class PlanLowering:
     shape, attributes and inputs by number, the same members are written, and every value
     read from outside has the same dtype, shape and layout (``layout_of``), and the same op
     and attributes where it is a leaf computed in the kernel (a constant, an index). That is
-    all lowering looks at. Kept for one plan only: settings that change lowering between
+    all lowering looks at; numbers in attributes compare as the code spells them (``exact``:
+    -0.0 is not 0.0). Kept for one plan only: settings that change lowering between
     plans (a test's patched constant) never meet a result made under others."""
 
     def __init__(self, layout_of):
@@ -84,7 +86,7 @@ class PlanLowering:
                     at = number[id(child)] = len(group.nodes) + len(outside)
                     outside.append(child)
                 refs.append(at)
-            parts.append((node.op, node.dtype, node.shape, node.attrs, tuple(refs)))
+            parts.append((node.op, node.dtype, node.shape, exact(node.attrs), tuple(refs)))
         written = [number.get(id(node)) for node in group.outputs]
         if None in written or any(at >= len(group.nodes) for at in written):
             return None
@@ -93,7 +95,7 @@ class PlanLowering:
             leaf = not node.inputs and not is_input(node)
             parts.append((
                 node.dtype, node.shape, is_input(node), self.layout_of(node),
-                (node.op, node.attrs) if leaf else None,
+                (node.op, exact(node.attrs)) if leaf else None,
             ))  # fmt: skip
         return tuple(parts), [*group.nodes, *outside]
 

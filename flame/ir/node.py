@@ -13,6 +13,7 @@ reachable from the nodes a tensor holds.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 from typing import Any
@@ -271,6 +272,7 @@ class Node:
             and self.dtype is other.dtype
             and self.shape == other.shape
             and self.attrs == other.attrs
+            and exact(self.attrs) == exact(other.attrs)
             and len(self.inputs) == len(other.inputs)
         )
 
@@ -290,6 +292,43 @@ class Node:
     def __repr__(self) -> str:
         shape = ",".join(str(size) for size in self.shape)
         return f"Node({self.op}: {self.dtype.short}[{shape}])"
+
+
+def exact(value):
+    """``value`` with its numbers told apart as generated code tells them: -0.0 from 0.0
+    (equal, and hashing alike, in Python; ``-0.0f`` and ``0.0f`` in a kernel, and 1/x tells
+    them apart), True, 1 and 1.0 from each other. Nodes whose attributes differ so are other
+    nodes (CSE must not merge ``x * 0.0`` with ``x * -0.0``)."""
+    if isinstance(value, tuple):
+        return tuple(exact(item) for item in value)
+    if isinstance(value, (bool, int, float)):
+        text = value.hex() if isinstance(value, float) else repr(value)
+        return (type(value).__name__, text)
+    return value
+
+
+def attrs_key(attrs):
+    """``attrs`` as a key part that keeps -0.0 apart from 0.0 (equal and hashing alike in
+    Python): ``attrs`` itself where no value is a negative zero (the common case, no copy),
+    else ``exact(attrs)``. Plan keys and CSE use it: ``1 / (x * -0.0)`` is -inf."""
+    return exact(attrs) if _negative_zero(attrs) else attrs
+
+
+def _negative_zero(value) -> bool:
+    """Whether a -0.0 is anywhere in ``value`` (attributes: pairs of name and value, values
+    nested in tuples). Ints, strings and shapes cost a type check each. A loop, not
+    recursion: ``linearize``'s walk calls it near the recursion limit."""
+    stack = [value]
+    while stack:
+        for item in stack.pop():
+            kind = type(item)
+            if kind is int or kind is str:
+                continue
+            if kind is tuple:
+                stack.append(item)
+            elif isinstance(item, float) and item == 0.0 and math.copysign(1.0, item) < 0:
+                return True
+    return False
 
 
 def toposort(outputs, stop=None, children=None) -> list[Node]:

@@ -6,7 +6,7 @@ of walked again).
 
 from __future__ import annotations
 
-from flame.ir.node import Node, Token
+from flame.ir.node import Node, Token, attrs_key
 
 
 def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
@@ -42,21 +42,21 @@ def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
                 b = get(id(second))
                 if b is None:
                     b = visit(second)
-                part = (node.op, node.attrs, a, b)
+                part = (node.op, node.attrs and attrs_key(node.attrs), a, b)
             elif count == 1:
                 first = children[0]
                 a = get(id(first))
                 if a is None:
                     a = visit(first)
-                part = (node.op, node.attrs, a)
+                part = (node.op, node.attrs and attrs_key(node.attrs), a)
             elif count == 0:
-                part = (node.op, node.attrs, node.dtype, node.shape)
+                part = (node.op, attrs_key(node.attrs), node.dtype, node.shape)
             else:
                 indices = []
                 for child in children:
                     index = get(id(child))
                     indices.append(visit(child) if index is None else index)
-                part = (node.op, node.attrs, *indices)
+                part = (node.op, node.attrs and attrs_key(node.attrs), *indices)
         index = len(order)
         position[id(node)] = index
         order.append(node)
@@ -84,9 +84,9 @@ def linearize(outputs) -> tuple[list[Node], list[Node], tuple]:
                     inputs.append(node)
                 elif node.inputs:
                     children = [position[id(child)] for child in node.inputs]
-                    parts.append((node.op, node.attrs, *children))
+                    parts.append((node.op, node.attrs and attrs_key(node.attrs), *children))
                 else:
-                    parts.append((node.op, node.attrs, node.dtype, node.shape))
+                    parts.append((node.op, attrs_key(node.attrs), node.dtype, node.shape))
                 position[id(node)] = len(order)
                 order.append(node)
                 continue
@@ -122,7 +122,7 @@ def record_walk(order: list[Node], key: tuple) -> tuple | None:
         if not node.inputs:
             entries.append((False, part))
         else:
-            entries.append((node.op, node.attrs, *(count - 1 - index for index in part[2:])))
+            entries.append((node.op, part[1], *(count - 1 - index for index in part[2:])))
     entries.reverse()
     return tuple(entries)
 
@@ -164,10 +164,10 @@ def match_walk(entries: tuple, root, positions: tuple | None = None) -> list[Nod
         if node.buffer is not None:
             return None
         if op is False:
-            if node.inputs or (node.op, node.attrs, node.dtype, node.shape) != entry[1]:
+            if node.inputs or (node.op, attrs_key(node.attrs), node.dtype, node.shape) != entry[1]:
                 return None
             continue
-        if node.op != op or node.attrs != entry[1]:
+        if node.op != op or (node.attrs and attrs_key(node.attrs)) != entry[1]:
             return None
         children = node.inputs
         count = len(children)
@@ -285,14 +285,15 @@ def compile_walk(entries: tuple, positions: tuple | None = None):
         lines.append(f"    if {node}.buffer is not None: return None")
         if op is False:
             lines.append(
-                f"    if {node}.inputs or ({node}.op, {node}.attrs, {node}.dtype, {node}.shape)"
-                f" != k{index}: return None"
+                f"    if {node}.inputs or ({node}.op, attrs_key({node}.attrs), {node}.dtype,"
+                f" {node}.shape) != k{index}: return None"
             )
             continue
         constants[f"o{index}"] = op
         children = entry[2:]
         lines += [
-            f"    if {node}.op != o{index} or {node}.attrs != k{index}: return None",
+            f"    a = {node}.attrs",
+            f"    if {node}.op != o{index} or (a and attrs_key(a)) != k{index}: return None",
             f"    c = {node}.inputs",
             f"    if len(c) != {len(children)}: return None",
         ]
@@ -309,6 +310,6 @@ def compile_walk(entries: tuple, positions: tuple | None = None):
         lines.append(f"    if len({{{', '.join(f'id({n})' for n in inputs)}}}) != {len(inputs)}:")
         lines.append("        return None")
     lines.append(f"    return [{', '.join(reversed(inputs))}]")
-    namespace = dict(constants)
+    namespace = dict(constants, attrs_key=attrs_key)
     exec(compile("\n".join(lines), "<flame recorded walk>", "exec"), namespace)  # noqa: S102
     return namespace["matcher"]

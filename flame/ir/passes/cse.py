@@ -8,6 +8,7 @@ never merged (two arrays with equal contents are still two arrays).
 from __future__ import annotations
 
 from flame.ir.graph import Graph, is_input
+from flame.ir.node import attrs_key
 from flame.ir.passes.rewrite import with_inputs
 
 
@@ -21,7 +22,7 @@ def cse(graph: Graph) -> Graph:
         rebuilt = with_inputs(node, tuple(mapped[id(child)] for child in node.inputs))
         key = (
             rebuilt.op,
-            rebuilt.attrs,
+            attrs_key(rebuilt.attrs),  # x * -0.0 is not x * 0.0
             rebuilt.dtype.name,
             rebuilt.shape,
             tuple(id(child) for child in rebuilt.inputs),

@@ -142,8 +142,13 @@ class Decisions:
                 with self._lock:
                     self.read += 1
                     self._entries[key] = found
+                    while len(self._entries) > self.max_graphs:
+                        self._entries.popitem(last=False)
         for recorded in found:
-            groups = recorded.apply(graph, nodes, saved)
+            try:
+                groups = recorded.apply(graph, nodes, saved)
+            except IndexError:  # a stored grouping naming an input or output not there
+                groups = None
             if groups is not None:
                 with self._lock:
                     self.reused += 1
@@ -182,19 +187,41 @@ def _read(store, key: bytes, count: int) -> list[_Recorded]:
         for _, members, outputs, _ in recorded.groups:
             for where in (*members, *outputs):
                 at = where if type(where) is int else where[0]
-                if at >= count:
+                if at >= count or (at < 0 and type(where) is int):
+                    return []  # (-1, i): the graph's output i; any other negative: none
+                if type(where) is not int and (where[1] < 0 or at < -1):
                     return []
-        if any(at >= count for at in recorded.handed_out):
+        if any(not 0 <= at < count for at in recorded.handed_out):
             return []
     return found
 
 
+# Settings the fusion pass reads besides the graph (module, name): a test or a probe that
+# patches one gets groupings of its own, in memory and on disk
+FUSION_SETTINGS = (
+    ("flame.ir.passes.fuse", "MAX_REDUCE_OUTPUTS"),
+    ("flame.ir.passes.fuse", "MAX_ELEMENTWISE_OUTPUTS"),
+    ("flame.ir.passes.row_columns", "PARTIAL_TOTALS"),
+    ("flame.ir.passes.row_columns", "ROW_COLUMN_VALUES"),
+    ("flame.ir.passes.materialize", "BROADCAST_COST_OF_REDUCTIONS"),
+    ("flame.ir.passes.materialize", "WIDE_SOURCES"),
+    ("flame.ir.passes.materialize", "FUSED_WIDE_SOURCES"),
+    ("flame.ir.passes.cost", "RECOMPUTE_LIMIT"),
+)
+
+
 def _mode() -> bytes:
     """What decides fusion besides the graph: deterministic algorithms keep a row kernel's
-    column sums out of atomics (row_columns.py), another grouping of the same graph."""
+    column sums out of atomics (row_columns.py), another grouping of the same graph; and the
+    fusion settings (``FUSION_SETTINGS``)."""
+    import importlib
+
     from flame.determinism import are_deterministic_algorithms_enabled
 
-    return b"deterministic" if are_deterministic_algorithms_enabled() else b""
+    values = [are_deterministic_algorithms_enabled()]
+    for module, name in FUSION_SETTINGS:
+        values.append(getattr(importlib.import_module(module), name))
+    return repr(values).encode()
 
 
 def _saved_key(saved, position: dict[int, int]) -> bytes:
