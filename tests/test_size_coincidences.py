@@ -11,6 +11,7 @@ first size is often square somewhere: attention over 16x16 = 256 tokens of 256 c
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import flame as fl
 from flame.ir.graph import Graph
@@ -34,20 +35,16 @@ def _copies(graph: Graph) -> int:
     return sum(1 for node in graph.nodes if node.op == "copy")
 
 
-def test_a_reshape_whose_shape_only_equals_other_rows_stays_a_view(rng):
-    outputs = _attention_like(rng, other_rows_read=False)
+@pytest.mark.parametrize(
+    ("other_rows_read", "copies"),
+    [(False, 0), (True, 1)],
+    ids=["shape-only-equals-other-rows-stays-a-view", "read-as-rows-across-memory-is-copied"],
+)
+def test_a_reshape_is_copied_only_where_a_reduction_reads_it(rng, other_rows_read, copies):
+    outputs = _attention_like(rng, other_rows_read=other_rows_read)
     graph = Graph(tuple(t.node for t in outputs))
     simplified = simplify(graph)
-    assert _copies(simplified) == 0, "a copy of a view that no reduction reads as rows"
-    for got, want in zip(evaluate(list(simplified.outputs)), evaluate(list(graph.outputs))):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-
-
-def test_a_reshape_read_as_rows_across_memory_is_copied(rng):
-    outputs = _attention_like(rng, other_rows_read=True)
-    graph = Graph(tuple(t.node for t in outputs))
-    simplified = simplify(graph)
-    assert _copies(simplified) == 1, "rows walked across memory are read from a copy"
+    assert _copies(simplified) == copies
     for got, want in zip(evaluate(list(simplified.outputs)), evaluate(list(graph.outputs))):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradcheck import check_against_finite_differences, check_against_torch
+from gradcheck import check_against_finite_differences, check_against_torch, flame_vjp
 from opinfo import assert_compiled_matches_lazy, compile_plan_kernels
 
 import flame as fl
@@ -228,17 +228,8 @@ def _values_and_cotangents(case, arrays, projection_rng):
     """The output and the cotangents of the differentiated inputs, on the current backend,
     for a projection drawn from ``projection_rng``."""
     _, build, _, _, _, positions = case
-    tensors = [fl.from_numpy(np.ascontiguousarray(array)) for array in arrays]
-
-    def function(*primals):
-        values = list(tensors)
-        for position, primal in zip(positions, primals, strict=True):
-            values[position] = primal
-        return build(*values)
-
-    out, pullback = fl.vjp(function, *(tensors[position] for position in positions))
-    projection = projection_rng.standard_normal(out.shape).astype(np.float32)
-    return [out.numpy()] + [grad.numpy() for grad in pullback(fl.from_numpy(projection))]
+    _, out, _, cotangents = flame_vjp(build, arrays, positions, projection_rng)
+    return [out.numpy()] + [grad.numpy() for grad in cotangents]
 
 
 @pytest.mark.gpu
